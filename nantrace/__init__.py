@@ -1,0 +1,12 @@
+"""nantrace: find where and why fp16/bf16 PyTorch training goes NaN.
+
+``with nantrace.trace(model, scaler=scaler, optimizer=opt) as tr:`` around the unchanged training loop records
+the range and inf/NaN counts of every activation and gradient; ``tr.first_overflow()`` names the module, phase
+and step that produced the first non-finite value.
+"""
+
+from ._locate import Overflow
+from ._trace import NantraceError, Trace, trace
+
+__all__ = ["NantraceError", "Overflow", "Trace", "trace"]
+__version__ = "0.1.0"

@@ -1,0 +1,300 @@
+"""The recording state of one trace and the tiny hook closures that feed it.
+
+Every closure does the same three things: return at once when the trace is not recording, compute the
+statistics of the tensors it was handed (:mod:`nantrace._stats`, on-device reductions), and append one row per
+tensor to the store. No closure keeps a reference to an activation or gradient after it returns: statistics
+are small new tensors, the forward cache holds weak references only, and tensor-hook handles are dropped at
+the next step boundary.
+
+Backward hooks are tensor hooks (``Tensor.register_hook`` on a module's output and input tensors, and
+``register_post_accumulate_grad_hook`` on parameters), not ``register_full_backward_hook``, which wraps outputs
+in a custom autograd function and breaks in-place ops such as ``ReLU(inplace=True)`` after a module. A hook
+registered on a tensor before an in-place op fires with the gradient of the value it saw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from ._stats import describable, stats_device, stats_host
+from ._store import PHASE_CODE, PendingStep, Store
+
+__all__ = ["Recorder", "flatten"]
+
+_MAX_DEPTH = 6
+
+
+def flatten(obj: Any, prefix: str, depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(path, tensor)`` for every tensor nested in ``obj``.
+
+    Tuples/lists give ``prefix[i]``, mappings (``dict``, ``OrderedDict`` subclasses such as model-output
+    objects) and namedtuples/dataclasses give ``prefix.name``. Anything else is skipped. Recursion stops at
+    depth 6.
+    """
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+        return
+    if depth >= _MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        for name in obj._fields:
+            yield from flatten(getattr(obj, name), f"{prefix}.{name}", depth + 1)
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from flatten(v, f"{prefix}[{i}]", depth + 1)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            key = f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]"
+            yield from flatten(v, prefix + key, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from flatten(getattr(obj, f.name, None), f"{prefix}.{f.name}", depth + 1)
+
+
+_SIG_CACHE: dict[Any, list[str]] = {}
+
+
+def positional_names(module: torch.nn.Module) -> list[str]:
+    """Names of the positional parameters of ``module.forward`` (cached per function)."""
+    fn = getattr(type(module), "forward", None)
+    names = _SIG_CACHE.get(fn)
+    if names is None:
+        try:
+            params = inspect.signature(module.forward).parameters.values()
+            names = [
+                p.name
+                for p in params
+                if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            ]
+        except (TypeError, ValueError):
+            names = []
+        _SIG_CACHE[fn] = names
+    return names
+
+
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version
+
+
+class Recorder:
+    """Mutable recording state of one :class:`~nantrace.Trace` (step counters, call stack, caches)."""
+
+    def __init__(self, store: Store, *, sync_free: bool, record_phases: frozenset[str]) -> None:
+        self.store = store
+        self.sync_free = sync_free
+        self.phases = record_phases
+        self.active = False
+        self.step = 0
+        self.micro = -1
+        self.seq = 0
+        self.event = 0
+        self.root_depth = 0
+        self.stack: list[tuple[int, int]] = []
+        self.calls: dict[int, int] = {}
+        self.cache: dict[int, tuple[weakref.ref[torch.Tensor], int, Any, int]] = {}
+        self.pending = PendingStep()
+        self.tensor_handles: list[RemovableHandle] = []
+        self.has_rows = False
+
+    # ------------------------------------------------------------ statistics
+    def stat(self, t: torch.Tensor) -> tuple[Any, int]:
+        """Statistics of ``t`` and its event id, reusing the result for a tensor already seen unchanged."""
+        key = id(t)
+        ver = _version(t)
+        hit = self.cache.get(key)
+        if hit is not None and hit[0]() is t and hit[1] == ver and ver >= 0:
+            return hit[2], hit[3]
+        if t.device.type == "cpu" and not self.sync_free:
+            stats: Any = stats_host(t)
+        else:
+            stats = stats_device(t)
+        self.event += 1
+        if ver >= 0:
+            self.cache[key] = (weakref.ref(t), ver, stats, self.event)
+        return stats, self.event
+
+    def add(
+        self,
+        phase: str,
+        mcode: int,
+        tcode: int,
+        call: int,
+        path: str,
+        t: torch.Tensor,
+        *,
+        is_grad: bool,
+        parent: int,
+        arg: str | None = None,
+        micro: int | None = None,
+    ) -> None:
+        """Append one row for tensor ``t`` (nothing for tensors that are not :func:`describable`)."""
+        if not describable(t):
+            return
+        store = self.store
+        stats, event = self.stat(t)
+        if self.micro < 0:
+            self.micro = 0
+        self.seq += 1
+        meta = (
+            self.step,
+            self.micro if micro is None else micro,
+            self.seq,
+            PHASE_CODE[phase],
+            mcode,
+            tcode,
+            call,
+            store.tensors.code(path),
+            store.dtypes.code(str(t.dtype).replace("torch.", "")),
+            store.shapes.code(str(tuple(t.shape))),
+            t.numel(),
+            int(is_grad),
+            parent,
+            -1 if arg is None else store.args.code(arg),
+            event,
+        )
+        store.add(meta, stats)
+        self.has_rows = True
+
+    # ------------------------------------------------------------ step structure
+    def begin_micro_step(self) -> None:
+        self.micro += 1
+        self.pending.micro_steps = self.micro + 1
+        self.stack.clear()
+        self.calls.clear()
+        self.cache.clear()
+
+    def end_step(self, mask_rule: Any) -> None:
+        """Close the open step: one host copy, a ``steps`` row, and drop this step's tensor hooks."""
+        for h in self.tensor_handles:
+            h.remove()
+        self.tensor_handles.clear()
+        self.cache.clear()
+        self.store.flush(self.step, self.pending, mask_rule)
+        self.pending = PendingStep()
+        self.step += 1
+        self.micro = -1
+        self.seq = 0
+        self.has_rows = False
+        self.stack.clear()
+        self.calls.clear()
+
+    def step_open(self) -> bool:
+        """True when the open step has seen anything worth a ``steps`` row."""
+        p = self.pending
+        return self.has_rows or self.micro >= 0 or bool(p.losses) or p.scale is not None
+
+    # ------------------------------------------------------------ hook factories
+    def grad_hook(
+        self, phase: str, mcode: int, tcode: int, call: int, path: str, parent: int
+    ) -> Callable[[torch.Tensor], None]:
+        micro = self.micro
+
+        def hook(grad: torch.Tensor) -> None:
+            if self.active:
+                self.add(phase, mcode, tcode, call, path, grad, is_grad=True, parent=parent, micro=micro)
+
+        return hook
+
+    def watch_grads(
+        self,
+        phase: str,
+        mcode: int,
+        tcode: int,
+        call: int,
+        items: list[tuple[str, torch.Tensor]],
+        parent: int,
+    ) -> None:
+        """Register gradient hooks on the tensors of ``items`` that will receive a gradient."""
+        if phase not in self.phases or not torch.is_grad_enabled():
+            return
+        for path, t in items:
+            if t.requires_grad and describable(t):
+                h = t.register_hook(self.grad_hook(phase, mcode, tcode, call, path, parent))
+                self.tensor_handles.append(h)
+
+    def module_hooks(
+        self, mcode: int, tcode: int, *, is_root: bool, step_each_forward: Callable[[], bool], on_step: Any
+    ) -> tuple[Callable[..., None], Callable[..., None]]:
+        """The forward pre-hook and forward hook (both ``with_kwargs=True``) for one module."""
+        phases = self.phases
+
+        def pre(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if not self.active:
+                return
+            if is_root and self.root_depth == 0:
+                if step_each_forward() and self.step_open():
+                    on_step()
+                self.begin_micro_step()
+            call = self.calls.get(mcode, 0)
+            self.calls[mcode] = call + 1
+            parent = self.stack[-1][0] if self.stack else -1
+            names = positional_names(module)
+            items = list(flatten(args, "input"))
+            items += list(flatten(kwargs, "input"))
+            phase = "data" if is_root else "forward"
+            if phase in phases:
+                for path, t in items:
+                    self.add(
+                        phase,
+                        mcode,
+                        tcode,
+                        call,
+                        path,
+                        t,
+                        is_grad=False,
+                        parent=parent,
+                        arg=_arg(path, names),
+                    )
+            self.watch_grads("backward", mcode, tcode, call, _rename(items, "grad_input"), parent)
+            self.stack.append((mcode, call))
+            if is_root:
+                self.root_depth += 1
+
+        def post(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if not self.active:
+                return
+            call = -1
+            while self.stack:
+                m, c = self.stack.pop()
+                if m == mcode:
+                    call = c
+                    break
+            if is_root:
+                self.root_depth = max(0, self.root_depth - 1)
+            if call < 0 or output is None:
+                return
+            parent = self.stack[-1][0] if self.stack else -1
+            items = list(flatten(output, "output"))
+            if "forward" in phases:
+                for path, t in items:
+                    self.add("forward", mcode, tcode, call, path, t, is_grad=False, parent=parent)
+            phase = "loss" if is_root and self.root_depth == 0 else "backward"
+            self.watch_grads(phase, mcode, tcode, call, _rename(items, "grad_output"), parent)
+
+        return pre, post
+
+
+def _rename(items: list[tuple[str, torch.Tensor]], head: str) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for path, t in items:
+        rest = path.split("input", 1)[1] if path.startswith("input") else path.split("output", 1)[1]
+        out.append((head + (rest if rest else "[0]"), t))
+    return out
+
+
+def _arg(path: str, names: list[str]) -> str | None:
+    """The forward parameter name behind an input path such as ``input[1]`` or ``input.mask``."""
+    if path.startswith("input."):
+        return path[6:].split(".")[0].split("[")[0]
+    if path.startswith("input["):
+        idx = path[6:].split("]")[0]
+        if idx.isdigit() and int(idx) < len(names):
+            return names[int(idx)]
+    return None

@@ -1,0 +1,286 @@
+"""The locator: plain pandas over ``records``, naming who *produced* the first non-finite value.
+
+Rules (from the design contract), applied to one step's rows in time order — data, forward in call order,
+loss, backward in execution order, optimizer — within each micro-step:
+
+1. A module call produced a kind (NaN, +inf, -inf) when its output holds it and none of its inputs did. Taken in
+   time order, the first row holding a kind not seen before is exactly that output.
+2. A kind that first shows up at a module's *input* was made by the enclosing module's own ``forward`` (an op
+   between its children): that enclosing module (the row's ``parent``) is reported.
+3. An attention mask is not a fault. A tensor is a mask when it holds no NaN or +inf and either its name says so
+   (the forward parameter it was passed as, or its path, contains ``"mask"``) or every value is 0 or -inf. Its
+   -inf is recorded (``n_neginf``) but never reported, and passing it on is not producing it. NaN/+inf, or -inf
+   in a model input that is not a mask (e.g. ``log(0)`` in a feature), is a ``data`` fault.
+4. ``loss``: outputs were finite but the loss, or the gradient arriving at the outputs, was not.
+5. ``backward``: the first non-finite gradient. One gradient value can be seen by several hooks (the output of
+   one module is the input of the next; rows sharing an ``event``); it is attributed to the module whose
+   backward computed it: a parameter's owner, else the module it is ``grad_input`` of (the innermost), else
+   the enclosing module whose own code consumed that output.
+6. ``optimizer``: the first parameter that ``optimizer.step()`` made non-finite; ``module`` is its owner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+__all__ = ["KINDS", "Overflow", "is_mask", "locate", "mask_rows", "overflows"]
+
+KINDS = ("nan", "posinf", "neginf")
+_PHASE_RANK = {"data": 0, "forward": 1, "loss": 2, "backward": 3, "optimizer": 4}
+OVERFLOW_COLUMNS = ("step", "micro_step", "phase", "module", "module_type", "call", "tensor", "kind", "dtype")
+
+
+class DType(str):
+    """A dtype name (``"float16"``) that also compares equal to ``torch.float16`` and ``"torch.float16"``."""
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, torch.dtype):
+            return str(other) == "torch." + str(self)
+        if isinstance(other, str):
+            return str.__eq__(self, other.removeprefix("torch."))
+        return NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = str.__hash__
+
+
+@dataclass(frozen=True)
+class Overflow:
+    """Where the first non-finite value was produced, and why, in words.
+
+    Attributes:
+        step: optimizer step (0-based).
+        micro_step: root forward call inside the step (0-based; > 0 with gradient accumulation).
+        phase: ``"data"``, ``"forward"``, ``"loss"``, ``"backward"`` or ``"optimizer"``.
+        module: qualified module name of the producer (``""`` is the root model).
+        module_type: the producer's class name, e.g. ``"Linear"``.
+        call: 0-based index of the producer's call inside the micro-step (a module reused 3 times has 0, 1, 2).
+        tensor: path of the first non-finite tensor, e.g. ``"output"``, ``"grad_input[0]"``, ``"weight"``.
+        kind: ``"inf"`` (+inf or -inf) or ``"nan"``.
+        dtype: dtype name of that tensor, e.g. ``"float16"`` (compares equal to ``torch.float16`` too).
+        message: one or two sentences explaining it, with the numbers that matter; ``str(overflow)``.
+    """
+
+    step: int
+    micro_step: int
+    phase: str
+    module: str
+    module_type: str
+    call: int
+    tensor: str
+    kind: str
+    dtype: str
+    message: str = field(default="", compare=False, repr=False)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields (without ``message``) as a plain dict."""
+        return {k: getattr(self, k) for k in OVERFLOW_COLUMNS}
+
+
+# ---------------------------------------------------------------------------------------------- masks
+def _names_mask(values: Any) -> np.ndarray:
+    return np.array(["mask" in str(v).lower() for v in values], dtype=bool)
+
+
+def mask_rows(
+    n_nan: np.ndarray,
+    n_posinf: np.ndarray,
+    n_neginf: np.ndarray,
+    n_zero: np.ndarray,
+    numel: np.ndarray,
+    activation: np.ndarray,
+    named: np.ndarray,
+) -> np.ndarray:
+    """Rule 3 on arrays: rows that are attention masks (``activation``: data/forward rows; ``named``: the
+    parameter name or path contains "mask")."""
+    only_mask_values = (n_zero + n_neginf) == numel
+    return (n_neginf > 0) & (n_nan == 0) & (n_posinf == 0) & activation & (named | only_mask_values)
+
+
+def is_mask(df: pd.DataFrame) -> np.ndarray:
+    """Boolean array: which rows of ``df`` (records) are attention masks whose -inf is not a fault (rule 3)."""
+    if len(df) == 0:
+        return np.zeros(0, dtype=bool)
+    phase = df["phase"].astype(str).to_numpy()
+    return mask_rows(
+        df["n_nan"].to_numpy(),
+        df["n_posinf"].to_numpy(),
+        df["n_neginf"].to_numpy(),
+        df["n_zero"].to_numpy(),
+        df["numel"].to_numpy(),
+        (phase == "data") | (phase == "forward"),
+        _categorical_flag(df["tensor"]) | _categorical_flag(df["arg"]),
+    )
+
+
+def _categorical_flag(col: pd.Series) -> np.ndarray:
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        cats = _names_mask(col.cat.categories)
+        codes = col.cat.codes.to_numpy()
+        return np.where(codes >= 0, cats[np.maximum(codes, 0)] if len(cats) else False, False)
+    return _names_mask(col.fillna("").to_numpy())
+
+
+# ---------------------------------------------------------------------------------------------- locator
+def _wanted(kind: str | None) -> tuple[str, ...]:
+    if kind is None:
+        return KINDS
+    if kind == "nan":
+        return ("nan",)
+    if kind == "inf":
+        return ("posinf", "neginf")
+    raise ValueError(f"kind must be None, 'inf' or 'nan'; got {kind!r}")
+
+
+def _ordered(step_df: pd.DataFrame) -> pd.DataFrame:
+    rank = step_df["phase"].astype(str).map(_PHASE_RANK).to_numpy()
+    return step_df.assign(_rank=rank).sort_values(["micro_step", "_rank", "seq"], kind="stable")
+
+
+def _first_in_step(step_df: pd.DataFrame, wanted: tuple[str, ...]) -> tuple[pd.Series, str] | None:
+    """The first row of one step holding a wanted kind not seen before, and that kind."""
+    counts = {k: step_df[f"n_{k}"].to_numpy() for k in KINDS}
+    any_wanted = np.zeros(len(step_df), dtype=bool)
+    for k in wanted:
+        any_wanted |= counts[k] > 0
+    if not any_wanted.any():
+        return None
+    df = _ordered(step_df)
+    mask = is_mask(df)
+    has = {k: df[f"n_{k}"].to_numpy() > 0 for k in wanted}
+    for i in range(len(df)):
+        kinds = [k for k in wanted if has[k][i]]
+        if not kinds:
+            continue
+        if mask[i]:
+            kinds = [k for k in kinds if k != "neginf"]
+        if kinds:
+            return df.iloc[i], kinds[0]
+    return None
+
+
+def _call_of(step_df: pd.DataFrame, module: str, micro: int, before_seq: int) -> int:
+    """The call index of ``module``'s invocation that was open at ``before_seq`` (its latest input row)."""
+    rows = step_df[
+        (step_df["module"].astype(str) == module)
+        & (step_df["micro_step"] == micro)
+        & (step_df["seq"] < before_seq)
+        & step_df["phase"].isin(["data", "forward"])
+    ]
+    if len(rows) == 0:
+        return 0
+    return int(rows.sort_values("seq")["call"].iloc[-1])
+
+
+def _type_of(records: pd.DataFrame, module: str) -> str:
+    rows = records.loc[records["module"].astype(str) == module, "module_type"]
+    return str(rows.iloc[0]) if len(rows) else ""
+
+
+def _producer(step_df: pd.DataFrame, row: pd.Series) -> tuple[str, str, int]:
+    """(module, module_type, call) that produced the value first seen in ``row``."""
+    phase = str(row["phase"])
+    module, mtype, call = str(row["module"]), str(row["module_type"]), int(row["call"])
+    tensor = str(row["tensor"])
+    parent = row["parent"]
+    has_parent = isinstance(parent, str)
+    if phase == "forward" and tensor.startswith("input") and has_parent:
+        pcall = _call_of(step_df, parent, int(row["micro_step"]), int(row["seq"]))
+        return parent, _type_of(step_df, parent), pcall
+    if phase == "backward":
+        owners = step_df[(step_df["event"] == row["event"])].sort_values("seq")
+        owners = owners[owners["phase"].astype(str) == "backward"]
+        tensors = owners["tensor"].astype(str)
+        params = owners[tensors.str.endswith(".grad")]
+        if len(params):
+            r = params.iloc[0]
+            return str(r["module"]), str(r["module_type"]), int(r["call"])
+        gin = owners[tensors.str.startswith("grad_input")]
+        if len(gin):
+            r = gin.iloc[-1]
+            return str(r["module"]), str(r["module_type"]), int(r["call"])
+        first = owners.iloc[0] if len(owners) else row
+        p = first["parent"]
+        if isinstance(p, str):
+            pcall = _call_of(step_df, p, int(first["micro_step"]), int(first["seq"]))
+            return p, _type_of(step_df, p), pcall
+    return module, mtype, call
+
+
+def _candidates(records: pd.DataFrame, wanted: tuple[str, ...]) -> pd.Series:
+    """Steps holding any wanted kind (cheap vectorised pre-filter)."""
+    hit = np.zeros(len(records), dtype=bool)
+    for k in wanted:
+        hit |= records[f"n_{k}"].to_numpy() > 0
+    return pd.Series(np.unique(records["step"].to_numpy()[hit]))
+
+
+def _find(
+    records: pd.DataFrame, kind: str | None, steps: pd.DataFrame | None, first_only: bool
+) -> list[Overflow]:
+    wanted = _wanted(kind)
+    found: list[Overflow] = []
+    if len(records) == 0:
+        return found
+    for step in _candidates(records, wanted):
+        step_df = records[records["step"] == step]
+        hit = _first_in_step(step_df, wanted)
+        if hit is None:
+            continue
+        row, k = hit
+        module, mtype, call = _producer(step_df, row)
+        ov_kind = "nan" if k == "nan" else "inf"
+        fields: dict[str, Any] = dict(
+            step=int(row["step"]),
+            micro_step=int(row["micro_step"]),
+            phase=str(row["phase"]),
+            module=module,
+            module_type=mtype,
+            call=call,
+            tensor=str(row["tensor"]),
+            kind=ov_kind,
+            dtype=DType(str(row["dtype"])),
+        )
+        from ._report import explain
+
+        message = explain(records, step_df, row, fields, k, steps)
+        found.append(Overflow(**fields, message=message))
+        if first_only:
+            break
+    return found
+
+
+def locate(
+    records: pd.DataFrame, kind: str | None = None, steps: pd.DataFrame | None = None
+) -> Overflow | None:
+    """The first producer of a non-finite value in ``records`` (``None`` when there is none).
+
+    Raises:
+        ValueError: ``kind`` is not ``None``, ``"inf"`` or ``"nan"``.
+    """
+    found = _find(records, kind, steps, first_only=True)
+    return found[0] if found else None
+
+
+def overflows(
+    records: pd.DataFrame, kind: str | None = None, steps: pd.DataFrame | None = None
+) -> pd.DataFrame:
+    """One row per step that saw a non-finite value: that step's first producer (columns of :class:`Overflow`
+    plus ``message``)."""
+    found = _find(records, kind, steps, first_only=False)
+    cols = [*OVERFLOW_COLUMNS, "message"]
+    df = pd.DataFrame([{**o.to_dict(), "message": o.message} for o in found], columns=cols)
+    if len(df):
+        df[["step", "micro_step", "call"]] = df[["step", "micro_step", "call"]].astype("int64")
+    return df

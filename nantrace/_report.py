@@ -1,0 +1,248 @@
+"""Words and tables for people: the locator's explanation, and the text/HTML reprs of a trace."""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+if TYPE_CHECKING:
+    from ._trace import Trace
+
+__all__ = ["dtype_max", "explain", "headroom_table", "trace_html", "trace_text"]
+
+FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
+
+
+def dtype_max(name: str) -> float:
+    """Largest finite value of the dtype called ``name`` (``"float16"`` → 65504 = torch.finfo(float16).max)."""
+    dt = getattr(torch, str(name).removeprefix("torch."), None)
+    if isinstance(dt, torch.dtype) and dt.is_floating_point:
+        return float(torch.finfo(dt).max)
+    return math.nan
+
+
+def _g(v: float) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4g}"
+
+
+def _finite_absmax(rows: pd.DataFrame) -> float:
+    v = rows["absmax"].to_numpy(dtype=np.float64)
+    v = v[np.isfinite(v)]
+    return float(v.max()) if v.size else math.nan
+
+
+def _has(rows: pd.DataFrame, kind: str) -> bool:
+    return bool((rows[f"n_{kind}"].to_numpy() > 0).any()) if len(rows) else False
+
+
+def _climb(records: pd.DataFrame, module: str, step: int) -> str:
+    """'its output absmax grew every step since step S (a → b)' when the trace shows a climb of ≥ 2 steps."""
+    rows = records[
+        (records["module"].astype(str) == module)
+        & (records["phase"].astype(str) == "forward")
+        & records["tensor"].astype(str).str.startswith("output")
+        & (records["step"] <= step)
+    ]
+    if len(rows) == 0:
+        return ""
+    per_step = rows.groupby("step", observed=True)["absmax"].max().sort_index()
+    per_step = per_step[np.isfinite(per_step.to_numpy())]
+    vals = per_step.to_numpy()
+    if len(vals) < 3:
+        return ""
+    i = len(vals) - 1
+    while i > 0 and vals[i - 1] < vals[i]:
+        i -= 1
+    if len(vals) - 1 - i < 2:
+        return ""
+    s0 = int(per_step.index[i])
+    return f" Its output absmax had grown every step since step {s0} ({_g(vals[i])} → {_g(vals[-1])})."
+
+
+def explain(
+    records: pd.DataFrame,
+    step_df: pd.DataFrame,
+    row: pd.Series,
+    fields: dict[str, Any],
+    raw_kind: str,
+    steps: pd.DataFrame | None,
+) -> str:
+    """One or two sentences on an :class:`~nantrace.Overflow`, with the numbers that matter."""
+    step, micro, phase = fields["step"], fields["micro_step"], fields["phase"]
+    module, mtype, call = fields["module"], fields["module_type"], fields["call"]
+    tensor, dtype = fields["tensor"], str(fields["dtype"])
+    what = {"nan": "NaN", "posinf": "+inf", "neginf": "-inf"}[raw_kind]
+    where = f"step {step}" + (f", micro-step {micro}" if micro else "")
+    name = f"`{module}`" if module else "the root model"
+    dmax = dtype_max(dtype)
+    limit = f"{dtype} overflows above {dmax:.6g} (torch.finfo(torch.{dtype}).max)"
+    same_call = step_df[(step_df["micro_step"] == micro) & (step_df["call"] == call)]
+    if phase == "data":
+        n = int(row[f"n_{raw_kind}"])
+        return (
+            f"At {where} the model input `{tensor}` already held {n} {what} value(s) before any module ran: a data "
+            f"fault, not the model. Check the data loader for this batch ({where}); "
+            "e.g. log(0), division by zero or a corrupt sample."
+        )
+    if phase == "forward":
+        mine = same_call[same_call["module"].astype(str) == module]
+        inputs = mine[mine["tensor"].astype(str).str.startswith("input")]
+        if module == "":
+            inputs = step_df[(step_df["micro_step"] == micro) & (step_df["phase"].astype(str) == "data")]
+        own_code = str(row["module"]) != module
+        at = f"`{row['tensor']}` of `{row['module']}`" if own_code else f"its `{tensor}`"
+        head = f"At {where}, {name} ({mtype}, call {call}) produced {what} in {at} ({dtype})"
+        if own_code:
+            head += " in its own forward code, between its submodules (every submodule output before it was finite)"
+        if raw_kind == "nan":
+            if _has(inputs, "posinf") or _has(inputs, "neginf") or own_code:
+                cause = (
+                    "from values holding no NaN: inf−inf, 0·inf or inf/inf (e.g. a norm of an overflowed row)"
+                )
+            else:
+                cause = "from finite inputs: an invalid operation such as 0/0, sqrt/log of a negative, or a fully masked softmax row"
+            return f"{head}, {cause}. Input absmax was {_g(_finite_absmax(inputs))}."
+        climb = _climb(records, module, step)
+        return (
+            f"{head} from finite inputs (input absmax {_g(_finite_absmax(inputs))}); {limit}.{climb} "
+            f"Keep {name} in float32 (torch.autocast(..., enabled=False) around it), rescale what feeds it, or use bfloat16."
+        )
+    if phase == "loss":
+        outs = step_df[
+            (step_df["micro_step"] == micro)
+            & (step_df["phase"].astype(str) == "forward")
+            & (step_df["module"].astype(str) == "")
+            & step_df["tensor"].astype(str).str.startswith("output")
+        ]
+        which = (
+            "the loss" if str(tensor).startswith("loss") else "the gradient arriving at the model's outputs"
+        )
+        return (
+            f"At {where} the model's outputs were finite (absmax {_g(_finite_absmax(outs))}) but {which} was {what} "
+            f"({dtype}). Compute the loss in float32 (e.g. F.cross_entropy(logits.float(), y)) and use log_softmax "
+            "rather than log(softmax(...))."
+        )
+    if phase == "backward":
+        gout = step_df[
+            (step_df["micro_step"] == micro)
+            & (step_df["phase"].astype(str).isin(["backward", "loss"]))
+            & (step_df["module"].astype(str) == module)
+            & step_df["tensor"].astype(str).str.startswith("grad_output")
+        ]
+        scale = float(row["scale"]) if "scale" in row else 1.0
+        scaled = f", loss scale {scale:g}" if scale != 1.0 else ""
+        tail = (
+            " A GradScaler skips such a step and lowers the scale; only a persistent run of them is a fault."
+            if scale != 1.0
+            else " Keep this module in float32 or clip/rescale what flows into it."
+        )
+        return (
+            f"At {where}, the backward of {name} ({mtype}) turned finite incoming gradients (grad_output absmax "
+            f"{_g(_finite_absmax(gout))}{scaled}) into {what} in `{tensor}` ({dtype}; {limit}).{tail}"
+        )
+    tiny = float(torch.finfo(getattr(torch, dtype)).smallest_normal) if not math.isnan(dmax) else math.nan
+    return (
+        f"At {where}, gradients were finite but optimizer.step() made `{tensor}` of {name} ({mtype}) {what} "
+        f"({dtype}). In {dtype} small optimizer constants such as Adam's eps=1e-8 and squared gradients round to 0 "
+        f"(smallest normal {_g(tiny)}): keep float32 master weights, or raise eps to ≥1e-4."
+    )
+
+
+def headroom_table(records: pd.DataFrame, limit: float = FP16_MAX, top: int = 5) -> pd.DataFrame:
+    """Modules with the least headroom: ``log2(limit / absmax)`` bits (fp16 limit 65504), smallest first.
+
+    Columns: ``module, module_type, absmax, headroom_bits``; over forward outputs and gradients.
+    """
+    rows = records[records["phase"].astype(str).isin(["forward", "backward"])]
+    if len(rows) == 0:
+        return pd.DataFrame(columns=["module", "module_type", "absmax", "headroom_bits"])
+    absmax = rows["absmax"].to_numpy(dtype=np.float64)
+    g = (
+        pd.DataFrame(
+            {
+                "module": rows["module"].astype(str).to_numpy(),
+                "module_type": rows["module_type"].astype(str).to_numpy(),
+                "absmax": np.where(np.isfinite(absmax), absmax, np.nan),
+            }
+        )
+        .groupby(["module", "module_type"], sort=False)["absmax"]
+        .max()
+        .reset_index()
+        .dropna()
+    )
+    g = g[g["absmax"] > 0]
+    g["headroom_bits"] = np.log2(limit / g["absmax"].to_numpy())
+    return g.sort_values("headroom_bits").head(top).reset_index(drop=True)
+
+
+def _summary(tr: Trace) -> dict[str, Any]:
+    rec = tr.records
+    st = tr.steps
+    dtypes = rec["dtype"].astype(str).value_counts().to_dict() if len(rec) else {}
+    skipped = int(st["skipped"].fillna(False).sum()) if len(st) else 0
+    return {
+        "steps": len(st),
+        "records": len(rec),
+        "dtypes": dtypes,
+        "skipped": skipped,
+        "overflow": tr.first_overflow(),
+        "headroom": headroom_table(rec),
+    }
+
+
+def trace_text(tr: Trace) -> str:
+    """Plain-text summary: steps, dtype mix, first overflow, least fp16 headroom."""
+    s = _summary(tr)
+    mix = ", ".join(f"{k} {v}" for k, v in s["dtypes"].items()) or "none"
+    lines = [
+        f"<nantrace.Trace of {tr._model_class}: {s['steps']} steps, {s['records']} records, "
+        f"{s['skipped']} skipped by the scaler>",
+        f"dtypes: {mix}",
+        f"first overflow: {s['overflow'] if s['overflow'] is not None else 'none (every recorded value finite)'}",
+    ]
+    hr = s["headroom"]
+    if len(hr):
+        lines.append("least fp16 headroom (bits = log2(65504 / absmax)):")
+        for r in hr.itertuples():
+            lines.append(
+                f"  {r.module or '(root)'} ({r.module_type}): absmax {r.absmax:.4g}, {r.headroom_bits:+.1f} bits"
+            )
+    return "\n".join(lines)
+
+
+def trace_html(tr: Trace) -> str:
+    """HTML summary for notebooks; every string is escaped, the text repr is the fallback inside <pre>."""
+    s = _summary(tr)
+    e = html.escape
+    ov = s["overflow"]
+    mix = ", ".join(f"{e(str(k))} {v}" for k, v in s["dtypes"].items()) or "none"
+    rows = "".join(
+        f"<tr><td>{e(r.module or '(root)')}</td><td>{e(r.module_type)}</td><td>{r.absmax:.4g}</td>"
+        f"<td>{r.headroom_bits:+.1f}</td></tr>"
+        for r in s["headroom"].itertuples()
+    )
+    ov_html = (
+        "<p><b>No overflow</b>: every recorded value was finite.</p>"
+        if ov is None
+        else (
+            f"<p><b>First overflow</b>: step {ov.step}, micro-step {ov.micro_step}, {e(ov.phase)}, "
+            f"<code>{e(ov.module or '(root)')}</code> ({e(ov.module_type)}, call {ov.call}), "
+            f"<code>{e(ov.tensor)}</code>, {e(ov.kind)}, {e(str(ov.dtype))}</p><p>{e(str(ov))}</p>"
+        )
+    )
+    table = (
+        "<table><thead><tr><th>module</th><th>type</th><th>absmax</th><th>fp16 headroom (bits)</th></tr></thead>"
+        f"<tbody>{rows}</tbody></table>"
+        if rows
+        else ""
+    )
+    return (
+        f'<div class="nantrace-trace"><pre style="display:none">{e(trace_text(tr))}</pre>'
+        f"<p><b>nantrace.Trace</b> of <code>{e(tr._model_class)}</code>: {s['steps']} steps, "
+        f"{s['records']} records, {s['skipped']} skipped by the scaler; dtypes: {mix}</p>{ov_html}{table}</div>"
+    )

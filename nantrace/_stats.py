@@ -1,0 +1,142 @@
+"""Pure functions: one tensor in, its eight range statistics out.
+
+The statistics of a tensor ``x`` are, in this order (:data:`STAT_NAMES`):
+
+``min, max``
+    smallest and largest *finite* value (NaN when ``x`` holds no finite value);
+``absmax``
+    largest finite ``|x|``;
+``absmin``
+    smallest finite non-zero ``|x|`` (NaN when there is none);
+``n_nan, n_posinf, n_neginf, n_zero``
+    counts of NaN, +inf, -inf and zero elements (``-0.0`` counts as zero).
+
+Two implementations give the same numbers:
+
+* :func:`stats_device` never reads a value on the host. It is a fixed sequence of on-device reductions whose
+  result is one float64 tensor of shape ``(8,)`` on ``x.device``; it is what hooks use on an accelerator, so the
+  host never waits for the device (no ``.item()``, ``bool(tensor)`` or branching on values).
+* :func:`stats_host` is for CPU tensors, where reading a value costs no device synchronisation. It starts with
+  one ``torch.aminmax`` pass: NaN propagates into min/max and ±inf shows as an extreme, so a finite result proves
+  the tensor clean and the inf/NaN counts are zero without counting. It returns a tuple of Python floats.
+
+Only dense floating-point tensors with at least one element are described (:func:`describable`). float8
+tensors are widened to float32 first because most reductions do not accept them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["N_STATS", "STAT_NAMES", "describable", "stats_device", "stats_host"]
+
+STAT_NAMES: tuple[str, ...] = (
+    "min",
+    "max",
+    "absmax",
+    "absmin",
+    "n_nan",
+    "n_posinf",
+    "n_neginf",
+    "n_zero",
+)
+N_STATS = len(STAT_NAMES)
+
+_INF = float("inf")
+_NAN = float("nan")
+
+
+def describable(t: object) -> bool:
+    """True for a dense (strided) floating-point tensor with at least one element.
+
+    Integer, bool, complex, sparse, quantized and zero-size tensors are not described (they cannot hold inf/NaN,
+    or have no range to speak of).
+    """
+    return (
+        isinstance(t, torch.Tensor)
+        and t.layout == torch.strided
+        and t.is_floating_point()
+        and not t.is_quantized
+        and t.numel() > 0
+    )
+
+
+def _work_view(t: torch.Tensor) -> torch.Tensor:
+    """A detached view (or float32 copy for float8 types) to reduce over."""
+    x = t.detach()
+    if x.element_size() == 1:  # float8 variants: widen, reductions do not take them
+        x = x.float()
+    return x
+
+
+def stats_device(t: torch.Tensor) -> torch.Tensor:
+    """Statistics of ``t`` as a float64 tensor of shape ``(8,)`` on ``t.device``, with no host synchronisation.
+
+    Args:
+        t: a tensor for which :func:`describable` is true; any shape; float16, bfloat16, float32, float64 or a
+            float8 type.
+
+    Returns:
+        ``torch.float64`` tensor ``[min, max, absmax, absmin, n_nan, n_posinf, n_neginf, n_zero]`` (the counts
+        are exact integers up to 2**53 elements).
+    """
+    x = _work_view(t)
+    finite = torch.isfinite(x)
+    inf = torch.full((), _INF, dtype=x.dtype, device=x.device)
+    fmin = torch.where(finite, x, inf).amin()
+    fmax = torch.where(finite, x, -inf).amax()
+    ax = x.abs()
+    absmin = torch.where(finite & (ax != 0), ax, inf).amin()
+    n_finite = finite.sum()
+    n_nan = torch.isnan(x).sum()
+    n_posinf = (x == inf).sum()
+    n_neginf = (x == -inf).sum()
+    n_zero = (x == 0).sum()
+    nan64 = torch.full((), _NAN, dtype=torch.float64, device=x.device)
+    no_finite = n_finite == 0
+    fmin64 = torch.where(no_finite, nan64, fmin.double())
+    fmax64 = torch.where(no_finite, nan64, fmax.double())
+    absmax64 = torch.maximum(fmin64.abs(), fmax64.abs())
+    absmin64 = torch.where(torch.isinf(absmin), nan64, absmin.double())
+    counts = torch.stack([n_nan, n_posinf, n_neginf, n_zero]).double()
+    return torch.cat([torch.stack([fmin64, fmax64, absmax64, absmin64]), counts])
+
+
+def _finite(v: float) -> bool:
+    return not (math.isinf(v) or math.isnan(v))
+
+
+def stats_host(t: torch.Tensor) -> tuple[float, ...]:
+    """Statistics of a CPU tensor ``t`` as 8 Python floats, same order and meaning as :func:`stats_device`.
+
+    Reads values on the host (free for CPU tensors) to skip work: one ``aminmax`` pass; the zero count from
+    ``count_nonzero``; the smallest non-zero ``|x|`` only needs its own pass when zeros sit between negative and
+    positive values. Tensors holding inf/NaN fall back to :func:`stats_device`.
+    """
+    x = _work_view(t)
+    lo_t, hi_t = torch.aminmax(x)
+    lo, hi = float(lo_t), float(hi_t)
+    if not (_finite(lo) and _finite(hi)):
+        return tuple(stats_device(x).tolist())
+    numel = x.numel()
+    n_zero = numel - int(torch.count_nonzero(x))
+    absmax = max(abs(lo), abs(hi))
+    if n_zero == 0:
+        if lo > 0:
+            absmin = lo
+        elif hi < 0:
+            absmin = -hi
+        else:
+            absmin = float(x.abs().amin())
+    elif n_zero == numel:
+        absmin = _NAN
+    elif lo >= 0:
+        absmin = float(torch.where(x == 0, hi_t, x).amin())
+    elif hi <= 0:
+        absmin = -float(torch.where(x == 0, lo_t, x).amax())
+    else:
+        ax = x.abs()
+        absmin = float(torch.where(ax == 0, absmax, ax).amin())
+    return (lo, hi, absmax, absmin, 0.0, 0.0, 0.0, float(n_zero))

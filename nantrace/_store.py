@@ -1,0 +1,335 @@
+"""Per-step buffers turned into pandas tables: the one module that copies recorded data to the host.
+
+Hooks append one row of metadata (small Python ints) and one statistics item per recorded tensor. A statistics
+item is either a float64 device tensor of shape ``(8,)`` (accelerator path, not yet read) or a tuple of floats
+(CPU path). At the step boundary :meth:`Store.flush` stacks every pending device tensor of the step together
+with the step's scalar tensors (loss, loss scale, gradient norms) and copies them to the host in **one**
+transfer (:func:`to_host`), then appends compact numpy columns to the in-memory table. The DataFrames are built
+lazily and cached until the next flush.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ._stats import N_STATS, STAT_NAMES
+
+__all__ = ["PHASES", "RECORD_COLUMNS", "STEP_COLUMNS", "Interner", "Store", "to_host"]
+
+PHASES: tuple[str, ...] = ("data", "forward", "loss", "backward", "optimizer")
+PHASE_CODE = {p: i for i, p in enumerate(PHASES)}
+
+RECORD_COLUMNS: tuple[str, ...] = (
+    "step",
+    "micro_step",
+    "seq",
+    "phase",
+    "module",
+    "module_type",
+    "call",
+    "tensor",
+    "dtype",
+    "shape",
+    "numel",
+    *STAT_NAMES,
+    "scale",
+    # extensions of the design contract (extra columns, same meanings for the rest):
+    "parent",  # enclosing module of the call that recorded this tensor ("" = root; None for the root itself)
+    "arg",  # the forward parameter name an input tensor was passed as, when known
+    "event",  # rows sharing one tensor value (an output that is also the next module's input) share this id
+)
+
+STEP_COLUMNS: tuple[str, ...] = (
+    "step",
+    "loss",
+    "scale",
+    "next_scale",
+    "skipped",
+    "growth_tracker",
+    "lr",
+    "grad_norm",
+    "n_nonfinite",
+    "micro_steps",
+    "n_records",
+)
+
+_META: tuple[str, ...] = (
+    "step",
+    "micro_step",
+    "seq",
+    "phase",
+    "module",
+    "module_type",
+    "call",
+    "tensor",
+    "dtype",
+    "shape",
+    "numel",
+    "is_grad",
+    "parent",
+    "arg",
+    "event",
+)
+
+
+def to_host(tensors: Sequence[torch.Tensor]) -> np.ndarray:
+    """Concatenate flattened ``tensors`` (any devices) into one float64 numpy vector, copying once per device.
+
+    This is the only place nantrace reads tensor values recorded by hooks.
+    """
+    if not tensors:
+        return np.zeros(0, dtype=np.float64)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    sizes = [t.numel() for t in tensors]
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    out = np.empty(int(offsets[-1]), dtype=np.float64)
+    for idxs in by_device.values():
+        flat = torch.cat([tensors[i].detach().reshape(-1).double() for i in idxs]).cpu().numpy()
+        pos = 0
+        for i in idxs:
+            out[offsets[i] : offsets[i + 1]] = flat[pos : pos + sizes[i]]
+            pos += sizes[i]
+    return out
+
+
+class Interner:
+    """Maps strings to small integer codes, for categorical columns."""
+
+    def __init__(self, values: Sequence[str] = ()) -> None:
+        self.values: list[str] = []
+        self._codes: dict[str, int] = {}
+        for v in values:
+            self.code(v)
+
+    def code(self, value: str) -> int:
+        c = self._codes.get(value)
+        if c is None:
+            c = len(self.values)
+            self._codes[value] = c
+            self.values.append(value)
+        return c
+
+
+def _smallest_int(a: np.ndarray) -> np.ndarray:
+    if a.size == 0:
+        return a.astype(np.int32)
+    lo, hi = int(a.min()), int(a.max())
+    for dt in (np.int8, np.int16, np.int32):
+        info = np.iinfo(dt)
+        if info.min <= lo and hi <= info.max:
+            return a.astype(dt)
+    return a.astype(np.int64)
+
+
+@dataclass
+class PendingStep:
+    """Scalars of the open step that become one row of ``steps`` at flush."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    grad_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # param index -> latest L2 norm
+    scale: torch.Tensor | float | None = None
+    next_scale: torch.Tensor | float | None = None
+    growth_tracker: torch.Tensor | float | None = None
+    found_inf: torch.Tensor | float | None = None
+    lr: Any = None
+    micro_steps: int = 0
+
+
+class Store:
+    """Recorded rows of a trace: pending rows of the open step, and flushed numpy chunks."""
+
+    def __init__(self) -> None:
+        self.modules = Interner([""])
+        self.types = Interner()
+        self.tensors = Interner()
+        self.dtypes = Interner()
+        self.shapes = Interner()
+        self.args = Interner()
+        self.pending_meta: list[tuple[int, ...]] = []
+        self.pending_stats: list[torch.Tensor | tuple[float, ...]] = []
+        self.chunks: list[dict[str, np.ndarray]] = []
+        self.step_rows: list[dict[str, Any]] = []
+        self._records: pd.DataFrame | None = None
+        self._steps: pd.DataFrame | None = None
+
+    # ----------------------------------------------------------------- recording (hot path)
+    def add(self, meta: tuple[int, ...], stats: torch.Tensor | tuple[float, ...]) -> None:
+        """Append one row; ``meta`` follows ``_META`` (codes for categorical fields, -1 for None)."""
+        self.pending_meta.append(meta)
+        self.pending_stats.append(stats)
+
+    # ----------------------------------------------------------------- step boundary
+    def flush(self, step: int, pending: PendingStep, mask_rule: Any) -> None:
+        """Close ``step``: one host copy of the step's tensors, then numpy columns and a ``steps`` row."""
+        stats_items = self.pending_stats
+        meta = self.pending_meta
+        self.pending_stats, self.pending_meta = [], []
+        dev_idx = [i for i, s in enumerate(stats_items) if isinstance(s, torch.Tensor)]
+        scalars: list[torch.Tensor] = []
+        names: list[tuple[str, int]] = []
+
+        def want(name: str, v: Any, n: int = 1) -> None:
+            if isinstance(v, torch.Tensor):
+                scalars.append(v)
+                names.append((name, n))
+
+        for i in dev_idx:
+            want("stats", stats_items[i], N_STATS)
+        for t in pending.losses:
+            want("loss", t)
+        for t in pending.grad_norms.values():
+            want("grad_norm", t)
+        for key in ("scale", "next_scale", "growth_tracker", "found_inf", "lr"):
+            want(key, getattr(pending, key))
+        host = to_host(scalars)
+        got: dict[str, list[np.ndarray]] = {}
+        pos = 0
+        for name, n in names:
+            got.setdefault(name, []).append(host[pos : pos + n])
+            pos += n
+
+        def scalar(key: str) -> float:
+            v = getattr(pending, key)
+            if isinstance(v, torch.Tensor):
+                return float(got[key][0][0])
+            return math.nan if v is None else float(v)
+
+        losses = [float(a[0]) for a in got.get("loss", [])] + [
+            float(x) for x in pending.losses if not isinstance(x, torch.Tensor)
+        ]
+        scale = scalar("scale")
+        n = len(meta)
+        if n:
+            mat = np.empty((n, N_STATS), dtype=np.float64)
+            dev_vals = iter(got.get("stats", []))
+            for i, s in enumerate(stats_items):
+                mat[i] = next(dev_vals) if isinstance(s, torch.Tensor) else s
+            m = np.asarray(meta, dtype=np.int64)
+            self.chunks.append(self._columns(m, mat, 1.0 if math.isnan(scale) else scale))
+        norms = [float(a[0]) for a in got.get("grad_norm", [])]
+        grad_norm = math.nan
+        if norms:
+            grad_norm = math.sqrt(sum(v * v for v in norms))
+            if not math.isnan(scale) and scale > 0:
+                grad_norm /= scale
+        found_inf = scalar("found_inf")
+        n_nonfinite = 0
+        if n:
+            chunk = self.chunks[-1]
+            bad = (chunk["n_nan"] + chunk["n_posinf"] + chunk["n_neginf"]) > 0
+            bad &= ~mask_rule(chunk, self)
+            n_nonfinite = int(bad.sum())
+        growth = scalar("growth_tracker")
+        self.step_rows.append(
+            {
+                "step": step,
+                "loss": float(np.mean(losses)) if losses else math.nan,
+                "scale": scale,
+                "next_scale": scalar("next_scale"),
+                "skipped": None if math.isnan(found_inf) else bool(found_inf > 0),
+                "growth_tracker": None if math.isnan(growth) else int(growth),
+                "lr": scalar("lr"),
+                "grad_norm": grad_norm,
+                "n_nonfinite": n_nonfinite,
+                "micro_steps": pending.micro_steps,
+                "n_records": n,
+            }
+        )
+        self._records = None
+        self._steps = None
+
+    def _columns(self, m: np.ndarray, mat: np.ndarray, scale: float) -> dict[str, np.ndarray]:
+        col = {name: m[:, i] for i, name in enumerate(_META)}
+        out: dict[str, np.ndarray] = {
+            "step": col["step"].astype(np.int32),
+            "micro_step": col["micro_step"].astype(np.int32),
+            "seq": col["seq"].astype(np.int32),
+            "phase": col["phase"].astype(np.int8),
+            "module": col["module"].astype(np.int32),
+            "module_type": col["module_type"].astype(np.int32),
+            "call": col["call"].astype(np.int32),
+            "tensor": col["tensor"].astype(np.int32),
+            "dtype": col["dtype"].astype(np.int32),
+            "shape": col["shape"].astype(np.int32),
+            "numel": col["numel"].astype(np.int64),
+            "is_grad": col["is_grad"].astype(bool),
+            "parent": col["parent"].astype(np.int32),
+            "arg": col["arg"].astype(np.int32),
+            "event": col["event"].astype(np.int64),
+            "scale": np.where(col["is_grad"].astype(bool), scale, 1.0).astype(np.float32),
+        }
+        for i, name in enumerate(STAT_NAMES):
+            out[name] = mat[:, i]
+        return out
+
+    # ----------------------------------------------------------------- tables
+    def records(self) -> pd.DataFrame:
+        """All flushed rows as a DataFrame with the columns :data:`RECORD_COLUMNS`."""
+        if self._records is not None:
+            return self._records
+        if self.chunks:
+            keys = self.chunks[0].keys()
+            cat = {k: np.concatenate([c[k] for c in self.chunks]) for k in keys}
+        else:
+            cat = self._columns(np.zeros((0, len(_META)), dtype=np.int64), np.zeros((0, N_STATS)), 1.0)
+
+        def categorical(codes: np.ndarray, values: list[str]) -> pd.Categorical:
+            return pd.Categorical.from_codes(codes, categories=pd.Index(values, dtype=object), validate=False)
+
+        step = cat["step"]
+        data: dict[str, Any] = {
+            "step": _smallest_int(step.astype(np.int64)),
+            "micro_step": _smallest_int(cat["micro_step"].astype(np.int64)),
+            "seq": _smallest_int(cat["seq"].astype(np.int64)),
+            "phase": categorical(cat["phase"].astype(np.int64), list(PHASES)),
+            "module": categorical(cat["module"], self.modules.values),
+            "module_type": categorical(cat["module_type"], self.types.values),
+            "call": _smallest_int(cat["call"].astype(np.int64)),
+            "tensor": categorical(cat["tensor"], self.tensors.values),
+            "dtype": categorical(cat["dtype"], self.dtypes.values),
+            "shape": categorical(cat["shape"], self.shapes.values),
+            "numel": cat["numel"],
+        }
+        for name in STAT_NAMES:
+            v = cat[name]
+            data[name] = _smallest_int(v.astype(np.int64)) if name.startswith("n_") else v
+        data["scale"] = cat["scale"]
+        data["parent"] = categorical(cat["parent"], self.modules.values)
+        data["arg"] = categorical(cat["arg"], self.args.values)
+        data["event"] = _smallest_int(cat["event"].astype(np.int64))
+        df = pd.DataFrame(data, columns=list(RECORD_COLUMNS))
+        self._records = df
+        return df
+
+    def steps(self) -> pd.DataFrame:
+        """One row per closed step, columns :data:`STEP_COLUMNS`."""
+        if self._steps is not None:
+            return self._steps
+        rows = self.step_rows
+        df = pd.DataFrame(
+            {
+                "step": pd.array([r["step"] for r in rows], dtype="int32"),
+                "loss": np.array([r["loss"] for r in rows], dtype=np.float64),
+                "scale": np.array([r["scale"] for r in rows], dtype=np.float64),
+                "next_scale": np.array([r["next_scale"] for r in rows], dtype=np.float64),
+                "skipped": pd.array([r["skipped"] for r in rows], dtype="boolean"),
+                "growth_tracker": pd.array([r["growth_tracker"] for r in rows], dtype="Int32"),
+                "lr": np.array([r["lr"] for r in rows], dtype=np.float64),
+                "grad_norm": np.array([r["grad_norm"] for r in rows], dtype=np.float64),
+                "n_nonfinite": pd.array([r["n_nonfinite"] for r in rows], dtype="int32"),
+                "micro_steps": pd.array([r["micro_steps"] for r in rows], dtype="int32"),
+                "n_records": pd.array([r["n_records"] for r in rows], dtype="int64"),
+            },
+            columns=list(STEP_COLUMNS),
+        )
+        self._steps = df
+        return df

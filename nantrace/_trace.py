@@ -1,0 +1,488 @@
+"""The :class:`Trace`: validates its arguments, attaches hooks on enter, removes them on exit, and answers
+questions about what it recorded."""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import weakref
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ._hooks import Recorder
+from ._locate import Overflow, locate, mask_rows, overflows
+from ._store import PHASES, Store
+
+__all__ = ["NantraceError", "Trace", "trace"]
+
+ModuleFilter = (
+    str | type | Callable[[str, nn.Module], bool] | Iterable[str | type | Callable[[str, nn.Module], bool]]
+)
+
+# Attribute names of wrappers whose child is the real module; dropped from qualified names.
+_WRAPPER_ATTRS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+# Every module currently hooked by some active trace (weak: nantrace never keeps a model alive).
+_ACTIVE: weakref.WeakKeyDictionary[nn.Module, Trace] = weakref.WeakKeyDictionary()
+
+
+class NantraceError(ValueError):
+    """nantrace's one error class for misuse that is not a plain wrong type (a ``ValueError``)."""
+
+
+def _is_ddp(m: nn.Module) -> bool:
+    return isinstance(m, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+
+
+def module_names(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` for every distinct module under ``model``, wrapper prefixes dropped.
+
+    ``module.`` (DistributedDataParallel/DataParallel), ``_fsdp_wrapped_module.``,
+    ``_checkpoint_wrapped_module.`` and ``_orig_mod.`` (``torch.compile``) are removed, so a layer has the same
+    name wrapped or not. A wrapper whose child has the same name is left out: the child is the real module.
+    A module reachable under several names (shared) keeps its first name.
+    """
+    out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def walk(name: str, m: nn.Module) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        children = list(m._modules.items())
+        wrapped = [
+            c
+            for k, c in children
+            if c is not None and (k in _WRAPPER_ATTRS or (k == "module" and _is_ddp(m)))
+        ]
+        if not wrapped:
+            out.append((name, m))
+        for k, c in children:
+            if c is None:
+                continue
+            transparent = k in _WRAPPER_ATTRS or (k == "module" and _is_ddp(m))
+            walk(name if transparent else (f"{name}.{k}" if name else k), c)
+
+    walk("", model)
+    return out
+
+
+def _compile_filter(modules: ModuleFilter | None) -> Callable[[str, nn.Module], bool]:
+    if modules is None:
+        return lambda name, m: True
+    items = [modules] if isinstance(modules, (str, type)) or callable(modules) else list(modules)
+    if not items:
+        raise ValueError(
+            "modules= is an empty collection; pass None to trace every module, or names/globs/types"
+        )
+    for it in items:
+        ok = isinstance(it, str) or (isinstance(it, type) and issubclass(it, nn.Module))
+        if not ok and (isinstance(it, type) or not callable(it)):
+            raise TypeError(
+                "modules= items must be name globs (str), nn.Module subclasses or callables "
+                f"(name, module) -> bool; got {it!r} of type {type(it).__name__}"
+            )
+
+    def keep(name: str, m: nn.Module) -> bool:
+        for it in items:
+            if isinstance(it, str):
+                if fnmatch.fnmatchcase(name, it):
+                    return True
+            elif isinstance(it, type):
+                if isinstance(m, it):
+                    return True
+            elif it(name, m):
+                return True
+        return False
+
+    return keep
+
+
+def _chunk_mask(chunk: dict[str, np.ndarray], store: Store) -> np.ndarray:
+    tnames = np.array(["mask" in v.lower() for v in store.tensors.values] + [False], dtype=bool)
+    anames = np.array(["mask" in v.lower() for v in store.args.values] + [False], dtype=bool)
+    named = tnames[chunk["tensor"]] | anames[chunk["arg"]]  # code -1 picks the trailing False
+    phase = chunk["phase"]
+    return mask_rows(
+        chunk["n_nan"],
+        chunk["n_posinf"],
+        chunk["n_neginf"],
+        chunk["n_zero"],
+        chunk["numel"],
+        (phase == PHASES.index("data")) | (phase == PHASES.index("forward")),
+        named,
+    )
+
+
+class Trace:
+    """A recording of one training run; a context manager that hooks ``model`` while inside ``with``.
+
+    Create it with :func:`nantrace.trace`. Read it with :attr:`records`, :attr:`steps`,
+    :meth:`first_overflow` and :meth:`overflows`; it stays readable after ``with`` exits, also after the loop
+    raised.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        scaler: torch.amp.GradScaler | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        modules: ModuleFilter | None = None,
+        phases: Iterable[str] | None = None,
+        sync_free: bool | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}: {model!r:.80}")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(
+                f"scaler must be a torch.amp.GradScaler (or None); got {type(scaler).__name__}. "
+                "Pass the GradScaler your loop calls scale()/step()/update() on."
+            )
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer (or None); got {type(optimizer).__name__}. "
+                "Pass the optimizer your loop calls step() on."
+            )
+        if phases is None:
+            phase_set = frozenset(PHASES)
+        else:
+            if isinstance(phases, str):
+                phases = [phases]
+            phase_set = frozenset(phases)
+            unknown = sorted(phase_set - set(PHASES))
+            if unknown:
+                raise ValueError(f"phases= has unknown phase(s) {unknown}; choose from {list(PHASES)}")
+        if sync_free is not None and not isinstance(sync_free, bool):
+            raise TypeError(f"sync_free must be True, False or None; got {sync_free!r}")
+        keep = _compile_filter(modules)
+        named = module_names(model)
+        selected = [(n, m) for n, m in named if keep(n, m)]
+        if modules is not None and not selected:
+            raise ValueError(
+                f"modules={modules!r} matched no module of {type(model).__name__}; "
+                f"names look like {[n for n, _ in named[:6]]}"
+            )
+        self._model_ref = weakref.ref(model)
+        self._model_class = type(model).__qualname__
+        self._root_name, self._root = named[0]
+        self._selected = selected
+        self._scaler = scaler
+        self._optimizer = optimizer
+        self._store = Store()
+        self._rec = Recorder(self._store, sync_free=bool(sync_free), record_phases=phase_set)
+        self._handles: list[RemovableHandle] = []
+        self._patched: list[tuple[object, str, bool, Any]] = []
+        self._entered = False
+        self._closed = False
+        self._manual_steps = False
+        self._read_only = False
+        self.options: dict[str, Any] = {
+            "modules": None if modules is None else repr(modules),
+            "phases": sorted(phase_set, key=PHASES.index),
+            "sync_free": sync_free,
+            "scaler": type(scaler).__name__ if scaler is not None else None,
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        }
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> Trace:
+        if self._read_only:
+            raise NantraceError(
+                "this Trace was loaded from a file and is read-only; record with nantrace.trace()"
+            )
+        if self._entered:
+            raise NantraceError(
+                "this Trace has already been used; create a new one with nantrace.trace(model)"
+            )
+        for _, m in [*self._selected, (self._root_name, self._root)]:
+            other = _ACTIVE.get(m)
+            if other is not None:
+                raise NantraceError(
+                    f"{type(m).__name__} is already being traced by another active nantrace.trace(); "
+                    "nested traces of the same model are not supported: exit the first one"
+                )
+        self._entered = True
+        try:
+            self._attach()
+        except BaseException:
+            self._detach()
+            raise
+        self._rec.active = True
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._rec.active = False
+        try:
+            if self._rec.step_open():
+                self._end_step()
+        finally:
+            self._detach()
+            self._closed = True
+
+    def _attach(self) -> None:
+        rec = self._rec
+        store = self._store
+        selected_ids = {id(m) for _, m in self._selected}
+        mods = list(self._selected)
+        if id(self._root) not in selected_ids:
+            mods.insert(0, (self._root_name, self._root))
+        for name, m in mods:
+            mcode = store.modules.code(name)
+            tcode = store.types.code(type(m).__name__)
+            pre, post = rec.module_hooks(
+                mcode,
+                tcode,
+                is_root=m is self._root,
+                step_each_forward=self._step_each_forward,
+                on_step=self._end_step,
+            )
+            self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+            _ACTIVE[m] = self
+        # parameters: gradient after accumulation, and value after optimizer.step()
+        self._params: list[tuple[nn.Parameter, int, int, str]] = []
+        seen: set[int] = set()
+        for name, m in self._selected:
+            for pname, p in m.named_parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                mcode, tcode = store.modules.code(name), store.types.code(type(m).__name__)
+                self._params.append((p, mcode, tcode, pname))
+                if p.requires_grad and "backward" in rec.phases:
+                    self._handles.append(
+                        p.register_post_accumulate_grad_hook(
+                            self._param_hook(mcode, tcode, pname, len(self._params) - 1)
+                        )
+                    )
+        if self._optimizer is not None:
+            self._handles.append(self._optimizer.register_step_post_hook(self._optimizer_hook))
+        if self._scaler is not None:
+            self._patch(self._scaler, "scale", self._wrap_scale(self._scaler.scale))
+            self._patch(self._scaler, "update", self._wrap_update(self._scaler.update))
+
+    def _detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for h in self._rec.tensor_handles:
+            h.remove()
+        self._rec.tensor_handles.clear()
+        for obj, attr, had, old in reversed(self._patched):
+            if had:
+                setattr(obj, attr, old)
+            else:
+                with contextlib.suppress(AttributeError):
+                    delattr(obj, attr)
+        self._patched.clear()
+        for m in [self._root] + [m for _, m in self._selected]:
+            if _ACTIVE.get(m) is self:
+                del _ACTIVE[m]
+
+    def _patch(self, obj: object, attr: str, new: Any) -> None:
+        had = attr in vars(obj)
+        self._patched.append((obj, attr, had, vars(obj).get(attr)))
+        setattr(obj, attr, new)
+
+    # ------------------------------------------------------------------ hooks owned by the Trace
+    def _param_hook(self, mcode: int, tcode: int, pname: str, index: int) -> Callable[[torch.Tensor], None]:
+        rec = self._rec
+        path = pname + ".grad"
+
+        def hook(p: torch.Tensor) -> None:
+            g = p.grad
+            if not rec.active or g is None or not g.is_floating_point() or g.is_sparse:
+                return
+            rec.add("backward", mcode, tcode, 0, path, g, is_grad=True, parent=-1)
+            rec.pending.grad_norms[index] = torch.linalg.vector_norm(g.detach(), dtype=torch.float32)
+
+        return hook
+
+    def _optimizer_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        rec = self._rec
+        if not rec.active:
+            return
+        if "optimizer" in rec.phases:
+            for p, mcode, tcode, pname in self._params:
+                rec.add("optimizer", mcode, tcode, 0, pname, p, is_grad=False, parent=-1)
+        if optimizer.param_groups:
+            lr = optimizer.param_groups[0].get("lr")
+            rec.pending.lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+        if self._scaler is None and not self._manual_steps:
+            self._end_step()
+
+    def _wrap_scale(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def scale(outputs: Any) -> Any:
+            result = orig(outputs)
+            if self._rec.active:
+                self._record_loss(outputs)
+            return result
+
+        return scale
+
+    def _wrap_update(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        scaler = self._scaler
+
+        def update(new_scale: Any = None) -> None:
+            rec = self._rec
+            if rec.active and scaler is not None and scaler.is_enabled():
+                p = rec.pending
+                p.scale = _scaler_tensor(scaler, "_scale")
+                found = [
+                    v
+                    for st in getattr(scaler, "_per_optimizer_states", {}).values()
+                    for v in st.get("found_inf_per_device", {}).values()
+                ]
+                p.found_inf = (
+                    torch.stack([f.to(found[0].device).float().sum() for f in found]).sum() if found else None
+                )
+            orig(new_scale)
+            if rec.active:
+                if scaler is not None and scaler.is_enabled():
+                    rec.pending.next_scale = _scaler_tensor(scaler, "_scale")
+                    rec.pending.growth_tracker = _scaler_tensor(scaler, "_growth_tracker")
+                self._end_step()
+
+        return update
+
+    def _record_loss(self, loss: Any) -> None:
+        from ._hooks import flatten
+
+        rec = self._rec
+        for path, t in flatten(loss, "loss"):
+            if not t.is_floating_point() or t.numel() == 0:
+                continue
+            if "loss" in rec.phases:
+                rec.add("loss", 0, self._store.types.code("loss"), 0, path, t, is_grad=False, parent=-1)
+            rec.pending.losses.append(t.detach().float().mean())
+
+    def _step_each_forward(self) -> bool:
+        return self._scaler is None and self._optimizer is None and not self._manual_steps
+
+    def _end_step(self) -> None:
+        self._rec.end_step(_chunk_mask)
+
+    # ------------------------------------------------------------------ public API
+    def step(self, loss: torch.Tensor | None = None) -> None:
+        """Mark a step boundary, and/or record the loss of this step.
+
+        With a ``scaler`` (boundary: ``scaler.update()``) or an ``optimizer`` (boundary: ``optimizer.step()``),
+        this only records ``loss``. Without either, it closes the current step; once it has been called, root
+        forward calls no longer start steps by themselves (gradient accumulation works).
+
+        Args:
+            loss: the step's loss tensor (any shape; its mean is the step's ``loss``), or None.
+
+        Raises:
+            NantraceError: the trace is not inside its ``with`` block.
+            TypeError: ``loss`` is not a tensor or None.
+        """
+        if loss is not None and not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss must be a torch.Tensor or None; got {type(loss).__name__}")
+        if not self._rec.active:
+            raise NantraceError("Trace.step() was called outside its `with nantrace.trace(...)` block")
+        if loss is not None:
+            self._record_loss(loss)
+        if self._scaler is None and self._optimizer is None:
+            self._manual_steps = True
+            self._end_step()
+
+    @property
+    def records(self) -> pd.DataFrame:
+        """One row per recorded tensor (see README "records columns"); steps closed so far."""
+        return self._store.records()
+
+    @property
+    def steps(self) -> pd.DataFrame:
+        """One row per closed step: ``step, loss, scale, next_scale, skipped, growth_tracker, lr, grad_norm,
+        n_nonfinite`` (plus ``micro_steps, n_records``)."""
+        return self._store.steps()
+
+    def first_overflow(self, kind: str | None = None) -> Overflow | None:
+        """The producer of the first non-finite value, or ``None`` if every recorded value was finite.
+
+        Args:
+            kind: ``None`` (NaN or ±inf), ``"inf"`` (±inf only) or ``"nan"`` (NaN only).
+
+        Raises:
+            ValueError: ``kind`` is none of those.
+        """
+        return locate(self.records, kind, self.steps)
+
+    def overflows(self, kind: str | None = None) -> pd.DataFrame:
+        """One row per step that saw a non-finite value, with that step's first producer (``Overflow`` fields
+        plus ``message``). Scaler backoffs show as a few isolated steps; a persistent fault as a run of them."""
+        return overflows(self.records, kind, self.steps)
+
+    def __repr__(self) -> str:
+        from ._report import trace_text
+
+        return trace_text(self)
+
+    def _repr_html_(self) -> str:
+        from ._report import trace_html
+
+        return trace_html(self)
+
+
+def _scaler_tensor(scaler: torch.amp.GradScaler, attr: str) -> torch.Tensor | float | None:
+    v = getattr(scaler, attr, None)
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone().float()
+    if attr == "_scale":
+        return float(scaler.get_scale())
+    return None
+
+
+def trace(
+    model: nn.Module,
+    *,
+    scaler: torch.amp.GradScaler | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    modules: ModuleFilter | None = None,
+    phases: Iterable[str] | None = None,
+    sync_free: bool | None = None,
+) -> Trace:
+    """Record the range and inf/NaN counts of every activation and gradient of ``model``.
+
+    Use as ``with nantrace.trace(model, scaler=scaler, optimizer=opt) as tr:`` around the unchanged training
+    loop. Hooks are attached on enter and every one is removed on exit, also when the loop raises (the
+    exception propagates unchanged); the trace stays readable afterwards.
+
+    Args:
+        model: the ``nn.Module`` to trace. Wrapper prefixes (DDP ``module.``, FSDP, checkpoint wrappers,
+            ``torch.compile``'s ``_orig_mod.``) are dropped from module names.
+        scaler: the ``torch.amp.GradScaler`` the loop uses; its ``update()`` then marks step boundaries, and the
+            loss scale, skipped steps and growth tracker are recorded.
+        optimizer: the ``torch.optim.Optimizer``; parameters are recorded after each ``step()``, which marks the
+            step boundary when there is no scaler.
+        modules: which submodules to hook: a name glob (``"encoder.*"``), an ``nn.Module`` subclass, a callable
+            ``(name, module) -> bool``, or a list of these. Default: all. The root always records its inputs
+            (phase ``data``) and outputs.
+        phases: which of ``"data", "forward", "loss", "backward", "optimizer"`` to record (default: all).
+        sync_free: compute statistics with on-device reductions only, read once per step (the accelerator
+            path), also for CPU tensors. Default ``None``: on-device for accelerator tensors, a faster path
+            that branches on values for CPU tensors (where reading a value costs no device sync).
+
+    Returns:
+        the :class:`Trace` (a context manager).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, ``scaler`` not a ``GradScaler``, ``optimizer`` not an
+            ``Optimizer``, or a ``modules`` item of another type.
+        ValueError: ``modules`` matches no module, or ``phases`` names an unknown phase.
+        NantraceError (on enter): the model is already being traced.
+    """
+    return Trace(
+        model, scaler=scaler, optimizer=optimizer, modules=modules, phases=phases, sync_free=sync_free
+    )
