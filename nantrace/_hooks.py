@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from ._stats import describable, stats_device, stats_host
@@ -79,6 +80,48 @@ def positional_names(module: torch.nn.Module) -> list[str]:
     return names
 
 
+_KIND_COLS = ((4, "nan"), (5, "posinf"), (6, "neginf"))
+
+
+def kinds_of_stats(stats: Any) -> frozenset[str] | None:
+    """Non-finite kinds in a host statistics tuple; ``None`` for device statistics (not read in hooks)."""
+    if isinstance(stats, torch.Tensor):
+        return None
+    return frozenset(k for i, k in _KIND_COLS if stats[i] > 0)
+
+
+class _Stop(Exception):
+    pass
+
+
+class FirstNonfinite(TorchFunctionMode):
+    """Replays a forward and stops at the first torch op whose output holds a kind not in ``known``."""
+
+    def __init__(self, known: frozenset[str]) -> None:
+        super().__init__()
+        self.known = known
+        self.found: tuple[str, str] | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for _, t in flatten(out, "out"):
+            if not describable(t):
+                continue
+            x = t.detach()
+            new = []
+            if bool(torch.isposinf(x).any()) and "posinf" not in self.known:
+                new.append("posinf")
+            if bool(torch.isneginf(x).any()) and "neginf" not in self.known:
+                new.append("neginf")
+            if bool(torch.isnan(x).any()) and "nan" not in self.known:
+                new.append("nan")
+            if new:
+                name = getattr(func, "__name__", None) or str(func)
+                self.found = (name, new[0])
+                raise _Stop
+        return out
+
+
 def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
@@ -86,8 +129,12 @@ def _version(t: torch.Tensor) -> int:
 class Recorder:
     """Mutable recording state of one :class:`~nantrace.Trace` (step counters, call stack, caches)."""
 
-    def __init__(self, store: Store, *, sync_free: bool, record_phases: frozenset[str]) -> None:
+    def __init__(
+        self, store: Store, *, sync_free: bool, record_phases: frozenset[str], drill: bool = True
+    ) -> None:
         self.store = store
+        self.drill = drill
+        self.seen_kinds: set[str] = set()
         self.sync_free = sync_free
         self.phases = record_phases
         self.active = False
@@ -96,12 +143,13 @@ class Recorder:
         self.seq = 0
         self.event = 0
         self.root_depth = 0
-        self.stack: list[tuple[int, int]] = []
+        self.stack: list[tuple[int, int, frozenset[str] | None]] = []
         self.calls: dict[int, int] = {}
         self.cache: dict[int, tuple[weakref.ref[torch.Tensor], int, Any, int]] = {}
         self.pending = PendingStep()
         self.tensor_handles: list[RemovableHandle] = []
         self.has_rows = False
+        self.last_kinds: frozenset[str] | None = frozenset()
 
     # ------------------------------------------------------------ statistics
     def stat(self, t: torch.Tensor) -> tuple[Any, int]:
@@ -161,6 +209,7 @@ class Recorder:
         )
         store.add(meta, stats)
         self.has_rows = True
+        self.last_kinds = kinds_of_stats(stats)
 
     # ------------------------------------------------------------ step structure
     def begin_micro_step(self) -> None:
@@ -169,6 +218,7 @@ class Recorder:
         self.stack.clear()
         self.calls.clear()
         self.cache.clear()
+        self.seen_kinds.clear()
 
     def end_step(self, mask_rule: Any) -> None:
         """Close the open step: one host copy, a ``steps`` row, and drop this step's tensor hooks."""
@@ -184,11 +234,44 @@ class Recorder:
         self.has_rows = False
         self.stack.clear()
         self.calls.clear()
+        self.seen_kinds.clear()
 
     def step_open(self) -> bool:
         """True when the open step has seen anything worth a ``steps`` row."""
         p = self.pending
         return self.has_rows or self.micro >= 0 or bool(p.losses) or p.scale is not None
+
+    def replay(
+        self,
+        module: torch.nn.Module,
+        args: Any,
+        kwargs: Any,
+        known: frozenset[str],
+        mcode: int,
+        call: int,
+    ) -> None:
+        """Re-run ``module.forward`` on the same inputs, with recording off, no autograd, the CPU RNG state
+        forked and buffers restored, to find the first torch op that made a new non-finite kind.
+
+        Only used on the host path (CPU tensors), only for the call where a kind first appears in a
+        micro-step. Best effort: any error during the replay is swallowed and nothing is recorded.
+        """
+        buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        mode = FirstNonfinite(known)
+        self.active = False
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), mode:
+                module.forward(*args, **kwargs)
+        except Exception:
+            pass
+        finally:
+            self.active = True
+            with torch.no_grad():
+                for b, v in buffers:
+                    b.copy_(v)
+        if mode.found is not None:
+            op, kind = mode.found
+            self.store.ops.append((self.step, max(self.micro, 0), mcode, call, op, kind))
 
     # ------------------------------------------------------------ hook factories
     def grad_hook(
@@ -239,8 +322,10 @@ class Recorder:
             items = list(flatten(args, "input"))
             items += list(flatten(kwargs, "input"))
             phase = "data" if is_root else "forward"
+            in_kinds: frozenset[str] | None = frozenset()
             if phase in phases:
                 for path, t in items:
+                    self.last_kinds = frozenset()
                     self.add(
                         phase,
                         mcode,
@@ -252,8 +337,13 @@ class Recorder:
                         parent=parent,
                         arg=_arg(path, names),
                     )
+                    in_kinds = _union(in_kinds, self.last_kinds)
+            else:
+                in_kinds = None
+            if in_kinds:
+                self.seen_kinds |= in_kinds
             self.watch_grads("backward", mcode, tcode, call, _rename(items, "grad_input"), parent)
-            self.stack.append((mcode, call))
+            self.stack.append((mcode, call, in_kinds))
             if is_root:
                 self.root_depth += 1
 
@@ -261,10 +351,11 @@ class Recorder:
             if not self.active:
                 return
             call = -1
+            in_kinds: frozenset[str] | None = None
             while self.stack:
-                m, c = self.stack.pop()
+                m, c, k = self.stack.pop()
                 if m == mcode:
-                    call = c
+                    call, in_kinds = c, k
                     break
             if is_root:
                 self.root_depth = max(0, self.root_depth - 1)
@@ -273,12 +364,25 @@ class Recorder:
             parent = self.stack[-1][0] if self.stack else -1
             items = list(flatten(output, "output"))
             if "forward" in phases:
+                out_kinds: frozenset[str] | None = frozenset()
                 for path, t in items:
+                    self.last_kinds = frozenset()
                     self.add("forward", mcode, tcode, call, path, t, is_grad=False, parent=parent)
+                    out_kinds = _union(out_kinds, self.last_kinds)
+                if out_kinds and in_kinds is not None and self.drill and not out_kinds <= self.seen_kinds:
+                    self.replay(module, args, kwargs, in_kinds, mcode, call)
+                if out_kinds:
+                    self.seen_kinds |= out_kinds
             phase = "loss" if is_root and self.root_depth == 0 else "backward"
             self.watch_grads(phase, mcode, tcode, call, _rename(items, "grad_output"), parent)
 
         return pre, post
+
+
+def _union(a: frozenset[str] | None, b: frozenset[str] | None) -> frozenset[str] | None:
+    if a is None or b is None:
+        return None
+    return a | b
 
 
 def _rename(items: list[tuple[str, torch.Tensor]], head: str) -> list[tuple[str, torch.Tensor]]:

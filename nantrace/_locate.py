@@ -148,25 +148,39 @@ def _ordered(step_df: pd.DataFrame) -> pd.DataFrame:
     return step_df.assign(_rank=rank).sort_values(["micro_step", "_rank", "seq"], kind="stable")
 
 
-def _first_in_step(step_df: pd.DataFrame, wanted: tuple[str, ...]) -> tuple[pd.Series, str] | None:
-    """The first row of one step holding a wanted kind not seen before, and that kind."""
-    counts = {k: step_df[f"n_{k}"].to_numpy() for k in KINDS}
-    any_wanted = np.zeros(len(step_df), dtype=bool)
-    for k in wanted:
-        any_wanted |= counts[k] > 0
-    if not any_wanted.any():
-        return None
+def _first_in_step(
+    step_df: pd.DataFrame, wanted: tuple[str, ...], ops: pd.DataFrame | None = None
+) -> tuple[pd.Series, str, str | None] | None:
+    """The first row of one step holding a wanted kind not seen before, that kind, and the torch op that made
+    it when a forward replay found one (``ops``)."""
     df = _ordered(step_df)
     mask = is_mask(df)
     has = {k: df[f"n_{k}"].to_numpy() > 0 for k in wanted}
+    extra: dict[int, tuple[str, str]] = {}
+    if ops is not None and len(ops):
+        tensors = df["tensor"].astype(str).to_numpy()
+        phases = df["phase"].astype(str).to_numpy()
+        modules = df["module"].astype(str).to_numpy()
+        for op in ops.itertuples():
+            if op.kind not in wanted:
+                continue
+            hit = np.nonzero(
+                (phases == "forward")
+                & (modules == op.module)
+                & (df["call"].to_numpy() == op.call)
+                & (df["micro_step"].to_numpy() == op.micro_step)
+                & np.char.startswith(tensors.astype(str), "output")
+            )[0]
+            if len(hit):
+                extra.setdefault(int(hit[0]), (str(op.kind), str(op.op)))
     for i in range(len(df)):
         kinds = [k for k in wanted if has[k][i]]
-        if not kinds:
-            continue
         if mask[i]:
             kinds = [k for k in kinds if k != "neginf"]
+        if i in extra:
+            return df.iloc[i], extra[i][0], extra[i][1]
         if kinds:
-            return df.iloc[i], kinds[0]
+            return df.iloc[i], kinds[0], None
     return None
 
 
@@ -188,8 +202,8 @@ def _type_of(records: pd.DataFrame, module: str) -> str:
     return str(rows.iloc[0]) if len(rows) else ""
 
 
-def _producer(step_df: pd.DataFrame, row: pd.Series) -> tuple[str, str, int]:
-    """(module, module_type, call) that produced the value first seen in ``row``."""
+def _producer(step_df: pd.DataFrame, row: pd.Series) -> tuple[str, str, int, str]:
+    """(module, module_type, call, tensor) that produced the value first seen in ``row``."""
     phase = str(row["phase"])
     module, mtype, call = str(row["module"]), str(row["module_type"]), int(row["call"])
     tensor = str(row["tensor"])
@@ -197,7 +211,7 @@ def _producer(step_df: pd.DataFrame, row: pd.Series) -> tuple[str, str, int]:
     has_parent = isinstance(parent, str)
     if phase == "forward" and tensor.startswith("input") and has_parent:
         pcall = _call_of(step_df, parent, int(row["micro_step"]), int(row["seq"]))
-        return parent, _type_of(step_df, parent), pcall
+        return parent, _type_of(step_df, parent), pcall, tensor
     if phase == "backward":
         owners = step_df[(step_df["event"] == row["event"])].sort_values("seq")
         owners = owners[owners["phase"].astype(str) == "backward"]
@@ -205,17 +219,17 @@ def _producer(step_df: pd.DataFrame, row: pd.Series) -> tuple[str, str, int]:
         params = owners[tensors.str.endswith(".grad")]
         if len(params):
             r = params.iloc[0]
-            return str(r["module"]), str(r["module_type"]), int(r["call"])
+            return str(r["module"]), str(r["module_type"]), int(r["call"]), str(r["tensor"])
         gin = owners[tensors.str.startswith("grad_input")]
         if len(gin):
             r = gin.iloc[-1]
-            return str(r["module"]), str(r["module_type"]), int(r["call"])
+            return str(r["module"]), str(r["module_type"]), int(r["call"]), str(r["tensor"])
         first = owners.iloc[0] if len(owners) else row
         p = first["parent"]
         if isinstance(p, str):
             pcall = _call_of(step_df, p, int(first["micro_step"]), int(first["seq"]))
-            return p, _type_of(step_df, p), pcall
-    return module, mtype, call
+            return p, _type_of(step_df, p), pcall, str(first["tensor"])
+    return module, mtype, call, tensor
 
 
 def _candidates(records: pd.DataFrame, wanted: tuple[str, ...]) -> pd.Series:
@@ -227,19 +241,29 @@ def _candidates(records: pd.DataFrame, wanted: tuple[str, ...]) -> pd.Series:
 
 
 def _find(
-    records: pd.DataFrame, kind: str | None, steps: pd.DataFrame | None, first_only: bool
+    records: pd.DataFrame,
+    kind: str | None,
+    steps: pd.DataFrame | None,
+    first_only: bool,
+    ops: pd.DataFrame | None = None,
 ) -> list[Overflow]:
+    from ._report import explain
+
     wanted = _wanted(kind)
     found: list[Overflow] = []
     if len(records) == 0:
         return found
-    for step in _candidates(records, wanted):
+    candidates = set(_candidates(records, wanted).tolist())
+    if ops is not None and len(ops):
+        candidates |= set(ops.loc[ops["kind"].isin(wanted), "step"].tolist())
+    for step in sorted(candidates):
         step_df = records[records["step"] == step]
-        hit = _first_in_step(step_df, wanted)
+        step_ops = ops[ops["step"] == step] if ops is not None and len(ops) else None
+        hit = _first_in_step(step_df, wanted, step_ops)
         if hit is None:
             continue
-        row, k = hit
-        module, mtype, call = _producer(step_df, row)
+        row, k, op = hit
+        module, mtype, call, tensor = _producer(step_df, row)
         ov_kind = "nan" if k == "nan" else "inf"
         fields: dict[str, Any] = dict(
             step=int(row["step"]),
@@ -248,13 +272,11 @@ def _find(
             module=module,
             module_type=mtype,
             call=call,
-            tensor=str(row["tensor"]),
+            tensor=tensor,
             kind=ov_kind,
             dtype=DType(str(row["dtype"])),
         )
-        from ._report import explain
-
-        message = explain(records, step_df, row, fields, k, steps)
+        message = explain(records, step_df, row, fields, k, steps, op)
         found.append(Overflow(**fields, message=message))
         if first_only:
             break
@@ -262,23 +284,29 @@ def _find(
 
 
 def locate(
-    records: pd.DataFrame, kind: str | None = None, steps: pd.DataFrame | None = None
+    records: pd.DataFrame,
+    kind: str | None = None,
+    steps: pd.DataFrame | None = None,
+    ops: pd.DataFrame | None = None,
 ) -> Overflow | None:
     """The first producer of a non-finite value in ``records`` (``None`` when there is none).
 
     Raises:
         ValueError: ``kind`` is not ``None``, ``"inf"`` or ``"nan"``.
     """
-    found = _find(records, kind, steps, first_only=True)
+    found = _find(records, kind, steps, True, ops)
     return found[0] if found else None
 
 
 def overflows(
-    records: pd.DataFrame, kind: str | None = None, steps: pd.DataFrame | None = None
+    records: pd.DataFrame,
+    kind: str | None = None,
+    steps: pd.DataFrame | None = None,
+    ops: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
     """One row per step that saw a non-finite value: that step's first producer (columns of :class:`Overflow`
     plus ``message``)."""
-    found = _find(records, kind, steps, first_only=False)
+    found = _find(records, kind, steps, False, ops)
     cols = [*OVERFLOW_COLUMNS, "message"]
     df = pd.DataFrame([{**o.to_dict(), "message": o.message} for o in found], columns=cols)
     if len(df):

@@ -71,6 +71,7 @@ def explain(
     fields: dict[str, Any],
     raw_kind: str,
     steps: pd.DataFrame | None,
+    op: str | None = None,
 ) -> str:
     """One or two sentences on an :class:`~nantrace.Overflow`, with the numbers that matter."""
     step, micro, phase = fields["step"], fields["micro_step"], fields["phase"]
@@ -97,9 +98,11 @@ def explain(
         own_code = str(row["module"]) != module
         at = f"`{row['tensor']}` of `{row['module']}`" if own_code else f"its `{tensor}`"
         head = f"At {where}, {name} ({mtype}, call {call}) produced {what} in {at} ({dtype})"
+        if op is not None:
+            head = f"At {where}, {name} ({mtype}, call {call}) produced {what}: the first op inside it to make one was `{op}`"
         if own_code:
             head += " in its own forward code, between its submodules (every submodule output before it was finite)"
-        if raw_kind == "nan":
+        if raw_kind == "nan" and op is None:
             if _has(inputs, "posinf") or _has(inputs, "neginf") or own_code:
                 cause = (
                     "from values holding no NaN: inf−inf, 0·inf or inf/inf (e.g. a norm of an overflowed row)"

@@ -158,6 +158,8 @@ class Store:
         self.pending_stats: list[torch.Tensor | tuple[float, ...]] = []
         self.chunks: list[dict[str, np.ndarray]] = []
         self.step_rows: list[dict[str, Any]] = []
+        # first op inside a module call that made a new non-finite kind (forward replay, host path)
+        self.ops: list[tuple[int, int, int, int, str, str]] = []
         self._records: pd.DataFrame | None = None
         self._steps: pd.DataFrame | None = None
 
@@ -309,6 +311,12 @@ class Store:
         df = pd.DataFrame(data, columns=list(RECORD_COLUMNS))
         self._records = df
         return df
+
+    def ops_frame(self) -> pd.DataFrame:
+        """``step, micro_step, module, call, op, kind``: the first torch op inside a module call that produced a
+        new non-finite kind (``nan``, ``posinf``, ``neginf``), found by replaying that call's forward."""
+        rows = [(s, m, self.modules.values[c], call, op, k) for s, m, c, call, op, k in self.ops]
+        return pd.DataFrame(rows, columns=["step", "micro_step", "module", "call", "op", "kind"])
 
     def steps(self) -> pd.DataFrame:
         """One row per closed step, columns :data:`STEP_COLUMNS`."""

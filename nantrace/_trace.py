@@ -408,6 +408,13 @@ class Trace:
         n_nonfinite`` (plus ``micro_steps, n_records``)."""
         return self._store.steps()
 
+    @property
+    def ops(self) -> pd.DataFrame:
+        """Forward drill-down: ``step, micro_step, module, call, op, kind`` for each module call where a
+        non-finite kind first appeared in a micro-step, naming the first torch op inside it that made it
+        (found by replaying that call on CPU; empty on the ``sync_free`` path)."""
+        return self._store.ops_frame()
+
     def first_overflow(self, kind: str | None = None) -> Overflow | None:
         """The producer of the first non-finite value, or ``None`` if every recorded value was finite.
 
@@ -417,12 +424,12 @@ class Trace:
         Raises:
             ValueError: ``kind`` is none of those.
         """
-        return locate(self.records, kind, self.steps)
+        return locate(self.records, kind, self.steps, self.ops)
 
     def overflows(self, kind: str | None = None) -> pd.DataFrame:
         """One row per step that saw a non-finite value, with that step's first producer (``Overflow`` fields
         plus ``message``). Scaler backoffs show as a few isolated steps; a persistent fault as a run of them."""
-        return overflows(self.records, kind, self.steps)
+        return overflows(self.records, kind, self.steps, self.ops)
 
     def __repr__(self) -> str:
         from ._report import trace_text
