@@ -119,6 +119,14 @@ class Interner:
         return c
 
 
+_STR_DTYPE = pd.Index(["x"]).dtype  # pandas' default string dtype (object before pandas 3, str from 3)
+
+
+def category_index(values: Sequence[str]) -> pd.Index:
+    """Categories as an Index of pandas' default string dtype (what a parquet round trip gives back too)."""
+    return pd.Index(list(values), dtype=_STR_DTYPE)
+
+
 def _smallest_int(a: np.ndarray) -> np.ndarray:
     if a.size == 0:
         return a.astype(np.int32)
@@ -285,7 +293,7 @@ class Store:
             cat = self._columns(np.zeros((0, len(_META)), dtype=np.int64), np.zeros((0, N_STATS)), 1.0)
 
         def categorical(codes: np.ndarray, values: list[str]) -> pd.Categorical:
-            return pd.Categorical.from_codes(codes, categories=pd.Index(values, dtype=object), validate=False)
+            return pd.Categorical.from_codes(codes, categories=category_index(values), validate=False)
 
         step = cat["step"]
         data: dict[str, Any] = {

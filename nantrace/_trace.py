@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import os
 import weakref
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -184,6 +186,7 @@ class Trace:
         self._closed = False
         self._manual_steps = False
         self._read_only = False
+        self.header: dict[str, Any] = {}
         self.options: dict[str, Any] = {
             "modules": None if modules is None else repr(modules),
             "phases": sorted(phase_set, key=PHASES.index),
@@ -370,7 +373,45 @@ class Trace:
         return self._scaler is None and self._optimizer is None and not self._manual_steps
 
     def _end_step(self) -> None:
+        pending = self._rec.pending
+        if pending.lr is None and self._optimizer is not None and self._optimizer.param_groups:
+            lr = self._optimizer.param_groups[0].get("lr")  # a step the scaler skipped: lr still applies
+            pending.lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
         self._rec.end_step(_chunk_mask)
+
+    @classmethod
+    def _from_saved(
+        cls, records: pd.DataFrame, steps: pd.DataFrame, ops: pd.DataFrame, header: dict[str, Any]
+    ) -> Trace:
+        tr = cls.__new__(cls)
+        tr._store = _FrozenStore(records, steps, ops)  # type: ignore[assignment]
+        tr._model_class = str(header.get("model_class", "?"))
+        tr.options = dict(header.get("options", {}))
+        tr.header = dict(header)
+        tr._read_only = True
+        tr._entered = True
+        tr._closed = True
+        tr._rec = Recorder(Store(), sync_free=False, record_phases=frozenset())
+        return tr
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the trace to ``path`` as one parquet file (pyarrow), atomically.
+
+        The file holds ``records`` as the table, and ``steps``, ``ops`` and a header (format version, nantrace,
+        torch and python versions, model class, dtypes, the arguments of ``trace``) as metadata. The write goes
+        to a temporary file in the same directory that is renamed over ``path``, so an interrupted save leaves
+        no half-written file. Steps still open inside ``with`` are not included.
+
+        Returns:
+            the path written, as a ``pathlib.Path``.
+
+        Raises:
+            TypeError: ``path`` is not a str or path-like.
+            ValueError: ``path`` is a directory, or its directory does not exist or is not writable.
+        """
+        from ._io import save
+
+        return save(self, path)
 
     # ------------------------------------------------------------------ public API
     def step(self, loss: torch.Tensor | None = None) -> None:
@@ -440,6 +481,22 @@ class Trace:
         from ._report import trace_html
 
         return trace_html(self)
+
+
+class _FrozenStore:
+    """The tables of a loaded trace, served as they were read."""
+
+    def __init__(self, records: pd.DataFrame, steps: pd.DataFrame, ops: pd.DataFrame) -> None:
+        self._r, self._s, self._o = records, steps, ops
+
+    def records(self) -> pd.DataFrame:
+        return self._r
+
+    def steps(self) -> pd.DataFrame:
+        return self._s
+
+    def ops_frame(self) -> pd.DataFrame:
+        return self._o
 
 
 def _scaler_tensor(scaler: torch.amp.GradScaler, attr: str) -> torch.Tensor | float | None:

@@ -1,0 +1,181 @@
+"""Saving and loading traces: one parquet file (pyarrow) per trace.
+
+The file's table is ``records``. Its schema metadata holds, under the key ``b"nantrace"``, a JSON header
+(format version, nantrace/torch/python versions, model class, dtypes, the arguments of ``trace``) and, as
+base64 Arrow IPC streams, the ``steps`` and ``ops`` tables, so dtypes survive the round trip exactly.
+
+Writes are atomic: the file is written to a temporary name in the target directory, flushed to disk, then
+renamed over the target (``os.replace``), so an interrupted save leaves either the old file or none, never a
+half-written one.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+import torch
+
+from ._store import category_index
+
+if TYPE_CHECKING:
+    from ._trace import Trace
+
+__all__ = ["FORMAT_VERSION", "MAGIC", "load", "read_header", "save"]
+
+MAGIC = b"nantrace"
+FORMAT_VERSION = 1  # bump on incompatible schema changes; a reader accepts files with the same major version
+
+
+def _pa() -> Any:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:  # pragma: no cover - pyarrow is a core dependency
+        raise ImportError("saving and loading traces needs pyarrow: pip install pyarrow") from e
+    return pa, pq
+
+
+def _ipc(df: pd.DataFrame) -> str:
+    pa, _ = _pa()
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return base64.b64encode(sink.getvalue().to_pybytes()).decode("ascii")
+
+
+def _from_ipc(text: str) -> pd.DataFrame:
+    pa, _ = _pa()
+    reader = pa.ipc.open_stream(pa.py_buffer(base64.b64decode(text)))
+    return _normalise(reader.read_all().to_pandas())
+
+
+def _normalise(df: pd.DataFrame) -> pd.DataFrame:
+    """Categorical columns with categories of pandas' default string dtype, as the recorder builds them."""
+    for c in df.columns:
+        if isinstance(df[c].dtype, pd.CategoricalDtype):
+            cats = df[c].cat.categories
+            df[c] = pd.Categorical.from_codes(
+                df[c].cat.codes.to_numpy(), categories=category_index([str(v) for v in cats]), validate=False
+            )
+    return df
+
+
+def _check_target(path: str | os.PathLike[str]) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike; got {type(path).__name__}: {path!r:.80}")
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"path {str(p)!r} is a directory; give a file name such as {str(p / 'trace.nantrace')!r}")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"path {str(p)!r}: directory {str(parent)!r} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"path {str(p)!r}: directory {str(parent)!r} is not writable; choose another location")
+    return p
+
+
+def header(tr: Trace) -> dict[str, Any]:
+    from . import __version__
+
+    rec = tr.records
+    return {
+        "format": FORMAT_VERSION,
+        "nantrace": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "model_class": tr._model_class,
+        "dtypes": sorted({str(d) for d in rec["dtype"].astype(str).unique()}) if len(rec) else [],
+        "options": tr.options,
+    }
+
+
+def save(tr: Trace, path: str | os.PathLike[str]) -> Path:
+    """Write ``tr`` to ``path`` atomically; returns the path. See :meth:`nantrace.Trace.save`."""
+    pa, pq = _pa()
+    target = _check_target(path)
+    head = header(tr)
+    meta = {"header": head, "steps": _ipc(tr.steps), "ops": _ipc(tr.ops)}
+    table = pa.Table.from_pandas(tr.records, preserve_index=False)
+    schema_meta = dict(table.schema.metadata or {})
+    schema_meta[MAGIC] = json.dumps(meta).encode("utf-8")
+    table = table.replace_schema_metadata(schema_meta)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pq.write_table(table, f, compression="zstd")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return target
+
+
+def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON header of a saved trace (versions, model class, dtypes, options) without reading the rows.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        NantraceError: ``path`` is not a nantrace trace, or was written by an incompatible format version.
+    """
+    return _meta(path)["header"]
+
+
+def _meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    from ._trace import NantraceError
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike; got {type(path).__name__}: {path!r:.80}")
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"no such trace file: {str(p)!r}")
+    _, pq = _pa()
+    try:
+        schema = pq.read_schema(p)
+    except Exception as e:
+        raise NantraceError(f"{str(p)!r} is not a nantrace trace (not a parquet file: {e})") from None
+    raw = (schema.metadata or {}).get(MAGIC)
+    if raw is None:
+        raise NantraceError(f"{str(p)!r} is a parquet file but not a nantrace trace (no nantrace metadata)")
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+        fmt = int(meta["header"]["format"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise NantraceError(f"{str(p)!r} has damaged nantrace metadata ({e})") from None
+    if fmt != FORMAT_VERSION:
+        raise NantraceError(
+            f"{str(p)!r} was written in trace format {fmt} by nantrace {meta['header'].get('nantrace')}; "
+            f"this nantrace reads format {FORMAT_VERSION}. Load it with a matching nantrace version."
+        )
+    return dict(meta)
+
+
+def load(path: str | os.PathLike[str]) -> Trace:
+    """Read a trace written by :meth:`Trace.save` as a read-only :class:`~nantrace.Trace`.
+
+    Its ``records``, ``steps``, ``ops``, ``first_overflow()``, ``overflows()`` and reprs equal the original's.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        NantraceError: ``path`` is not a trace, or comes from an incompatible format version.
+    """
+    from ._trace import Trace
+
+    meta = _meta(path)
+    _, pq = _pa()
+    records = _normalise(pq.read_table(Path(path)).to_pandas())
+    steps = _from_ipc(meta["steps"])
+    ops = _from_ipc(meta["ops"])
+    return Trace._from_saved(records, steps, ops, meta["header"])
