@@ -95,24 +95,28 @@ def explain(
         inputs = mine[mine["tensor"].astype(str).str.startswith("input")]
         if module == "":
             inputs = step_df[(step_df["micro_step"] == micro) & (step_df["phase"].astype(str) == "data")]
+        in_absmax = _g(_finite_absmax(inputs))
         own_code = str(row["module"]) != module
-        at = f"`{row['tensor']}` of `{row['module']}`" if own_code else f"its `{tensor}`"
-        head = f"At {where}, {name} ({mtype}, call {call}) produced {what} in {at} ({dtype})"
-        if op is not None:
-            head = f"At {where}, {name} ({mtype}, call {call}) produced {what}: the first op inside it to make one was `{op}`"
         if own_code:
-            head += " in its own forward code, between its submodules (every submodule output before it was finite)"
-        if raw_kind == "nan" and op is None:
-            if _has(inputs, "posinf") or _has(inputs, "neginf") or own_code:
-                cause = (
-                    "from values holding no NaN: inf−inf, 0·inf or inf/inf (e.g. a norm of an overflowed row)"
-                )
+            at = (
+                f"its own forward code, between its submodules (first seen at `{row['tensor']}` of "
+                f"`{row['module']}`; every submodule output before it was finite)"
+            )
+        elif op is not None:
+            at = f"`{op}` inside its forward ({dtype})"
+        else:
+            at = f"its `{tensor}` ({dtype})"
+        head = f"At {where}, {name} ({mtype}, call {call}) produced {what} in {at}"
+        inputs_had_inf = _has(inputs, "posinf") or _has(inputs, "neginf")
+        if raw_kind == "nan":
+            if inputs_had_inf:
+                cause = "from inputs holding inf but no NaN: inf−inf, 0·inf or inf/inf (e.g. normalising an overflowed row)"
             else:
-                cause = "from finite inputs: an invalid operation such as 0/0, sqrt/log of a negative, or a fully masked softmax row"
-            return f"{head}, {cause}. Input absmax was {_g(_finite_absmax(inputs))}."
+                cause = "from inputs holding no inf/NaN: an invalid operation such as 0/0, sqrt/log of a negative, or a fully masked softmax row"
+            return f"{head}, {cause}. Finite input absmax {in_absmax}."
         climb = _climb(records, module, step)
         return (
-            f"{head} from finite inputs (input absmax {_g(_finite_absmax(inputs))}); {limit}.{climb} "
+            f"{head}, from finite inputs (input absmax {in_absmax}); {limit}.{climb} "
             f"Keep {name} in float32 (torch.autocast(..., enabled=False) around it), rescale what feeds it, or use bfloat16."
         )
     if phase == "loss":
@@ -159,18 +163,21 @@ def explain(
 def headroom_table(records: pd.DataFrame, limit: float = FP16_MAX, top: int = 5) -> pd.DataFrame:
     """Modules with the least headroom: ``log2(limit / absmax)`` bits (fp16 limit 65504), smallest first.
 
-    Columns: ``module, module_type, absmax, headroom_bits``; over forward outputs and gradients.
+    Columns: ``module, module_type, absmax, headroom_bits``; over forward rows and gradients. A module that held
+    ±inf has ``absmax = inf`` and ``headroom_bits = -inf`` (it overflowed).
     """
     rows = records[records["phase"].astype(str).isin(["forward", "backward"])]
     if len(rows) == 0:
         return pd.DataFrame(columns=["module", "module_type", "absmax", "headroom_bits"])
     absmax = rows["absmax"].to_numpy(dtype=np.float64)
+    overflowed = (rows["n_posinf"].to_numpy() + rows["n_neginf"].to_numpy()) > 0
+    absmax = np.where(overflowed, np.inf, np.where(np.isfinite(absmax), absmax, np.nan))
     g = (
         pd.DataFrame(
             {
                 "module": rows["module"].astype(str).to_numpy(),
                 "module_type": rows["module_type"].astype(str).to_numpy(),
-                "absmax": np.where(np.isfinite(absmax), absmax, np.nan),
+                "absmax": absmax,
             }
         )
         .groupby(["module", "module_type"], sort=False)["absmax"]
@@ -179,8 +186,15 @@ def headroom_table(records: pd.DataFrame, limit: float = FP16_MAX, top: int = 5)
         .dropna()
     )
     g = g[g["absmax"] > 0]
-    g["headroom_bits"] = np.log2(limit / g["absmax"].to_numpy())
+    with np.errstate(divide="ignore"):
+        g["headroom_bits"] = np.log2(limit / g["absmax"].to_numpy())
     return g.sort_values("headroom_bits").head(top).reset_index(drop=True)
+
+
+def _headroom_words(absmax: float, bits: float) -> str:
+    if math.isinf(absmax):
+        return "overflowed (held inf)"
+    return f"absmax {absmax:.4g}, {bits:+.1f} bits"
 
 
 def _summary(tr: Trace) -> dict[str, Any]:
@@ -212,9 +226,7 @@ def trace_text(tr: Trace) -> str:
     if len(hr):
         lines.append("least fp16 headroom (bits = log2(65504 / absmax)):")
         for r in hr.itertuples():
-            lines.append(
-                f"  {r.module or '(root)'} ({r.module_type}): absmax {r.absmax:.4g}, {r.headroom_bits:+.1f} bits"
-            )
+            lines.append(f"  {r.module or '(root)'} ({r.module_type}): {_headroom_words(r.absmax, r.headroom_bits)}")
     return "\n".join(lines)
 
 
@@ -225,8 +237,9 @@ def trace_html(tr: Trace) -> str:
     ov = s["overflow"]
     mix = ", ".join(f"{e(str(k))} {v}" for k, v in s["dtypes"].items()) or "none"
     rows = "".join(
-        f"<tr><td>{e(r.module or '(root)')}</td><td>{e(r.module_type)}</td><td>{r.absmax:.4g}</td>"
-        f"<td>{r.headroom_bits:+.1f}</td></tr>"
+        f"<tr><td>{e(r.module or '(root)')}</td><td>{e(r.module_type)}</td>"
+        f"<td>{'inf' if math.isinf(r.absmax) else f'{r.absmax:.4g}'}</td>"
+        f"<td>{'overflowed' if math.isinf(r.absmax) else f'{r.headroom_bits:+.1f}'}</td></tr>"
         for r in s["headroom"].itertuples()
     )
     ov_html = (
