@@ -73,12 +73,16 @@ def _check_target(path: str | os.PathLike[str]) -> Path:
         raise TypeError(f"path must be a str or os.PathLike; got {type(path).__name__}: {path!r:.80}")
     p = Path(path)
     if p.is_dir():
-        raise ValueError(f"path {str(p)!r} is a directory; give a file name such as {str(p / 'trace.nantrace')!r}")
+        raise ValueError(
+            f"path {str(p)!r} is a directory; give a file name such as {str(p / 'trace.nantrace')!r}"
+        )
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise ValueError(f"path {str(p)!r}: directory {str(parent)!r} does not exist; create it first")
     if not os.access(parent, os.W_OK):
-        raise ValueError(f"path {str(p)!r}: directory {str(parent)!r} is not writable; choose another location")
+        raise ValueError(
+            f"path {str(p)!r}: directory {str(parent)!r} is not writable; choose another location"
+        )
     return p
 
 

@@ -226,7 +226,9 @@ def trace_text(tr: Trace) -> str:
     if len(hr):
         lines.append("least fp16 headroom (bits = log2(65504 / absmax)):")
         for r in hr.itertuples():
-            lines.append(f"  {r.module or '(root)'} ({r.module_type}): {_headroom_words(r.absmax, r.headroom_bits)}")
+            lines.append(
+                f"  {r.module or '(root)'} ({r.module_type}): {_headroom_words(r.absmax, r.headroom_bits)}"
+            )
     return "\n".join(lines)
 
 
