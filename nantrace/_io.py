@@ -12,6 +12,7 @@ half-written one.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import platform
@@ -119,10 +120,8 @@ def save(tr: Trace, path: str | os.PathLike[str]) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     return target
 
