@@ -148,6 +148,15 @@ def explain(
             if scale != 1.0
             else " Keep this module in float32 or clip/rescale what flows into it."
         )
+        gdtypes = [str(d) for d in gout["dtype"].astype(str).unique()]
+        narrow = min(gdtypes, key=dtype_max) if gdtypes else dtype
+        if (
+            dtype_max(narrow) < dmax
+        ):  # e.g. a float32 weight.grad computed from float16 gradients under autocast
+            limit = (
+                f"computed from {narrow} gradients, which overflow above {dtype_max(narrow):.6g} "
+                f"(torch.finfo(torch.{narrow}).max)"
+            )
         return (
             f"At {where}, the backward of {name} ({mtype}) turned finite incoming gradients (grad_output absmax "
             f"{_g(_finite_absmax(gout))}{scaled}) into {what} in `{tensor}` ({dtype}; {limit}).{tail}"

@@ -1,0 +1,340 @@
+"""The ``nantrace`` command: ``demo``, ``report`` and ``plot``.
+
+Exit codes: 0 = done and no non-finite value in the trace; 1 = done and the trace holds an overflow (``report``)
+; 2 = usage error, or the file is not a readable trace; 3 = a needed optional extra (matplotlib) is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_OVERFLOW, EXIT_USAGE, EXIT_MISSING_EXTRA = 0, 1, 2, 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    p = argparse.ArgumentParser(
+        prog="nantrace",
+        description="Find where and why fp16/bf16 PyTorch training goes NaN.",
+        epilog="Exit codes: 0 ok / no overflow, 1 the trace holds an overflow, 2 usage or file error, "
+        "3 an optional extra (matplotlib) is missing.",
+    )
+    p.add_argument("--version", action="version", version=f"nantrace {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    d = sub.add_parser(
+        "demo",
+        help="train a small character-level GPT on the stdlib's source in fp16 and locate its overflow",
+        description=(
+            "Train a small GPT-style character model on the Python standard library's own source files "
+            "(nothing is downloaded) under autocast with a GradScaler, traced by nantrace. The default "
+            "configuration genuinely overflows float16; --dtype bfloat16 runs the same thing in bf16. "
+            "Prints the locator's report and diagnosis, the loss-scale history, and writes the trace and plots."
+        ),
+    )
+    d.add_argument("--steps", type=int, default=None, help="optimizer steps to run (default: 80)")
+    d.add_argument(
+        "--lr", type=float, default=None, help="Adam learning rate (default: 1e-2, deliberately high)"
+    )
+    d.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16"),
+        default="float16",
+        help="autocast dtype (default: float16)",
+    )
+    d.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default: 0)")
+    d.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default: a new ./nantrace-demo-<time> folder)",
+    )
+    d.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    r = sub.add_parser("report", help="print the locator report, diagnosis and summary of a saved trace")
+    r.add_argument("path", type=Path, help="a file written by Trace.save (e.g. OUT/trace.nantrace)")
+
+    pl = sub.add_parser("plot", help="draw a saved trace to a PNG")
+    pl.add_argument("path", type=Path, help="a file written by Trace.save")
+    pl.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
+    pl.add_argument(
+        "--what",
+        choices=("overview", "heatmap", "scale", "ranges"),
+        default="overview",
+        help="overview (default): headroom heatmap + loss-scale timeline; heatmap; scale; ranges (one step)",
+    )
+    pl.add_argument("--step", type=int, default=None, help="step for --what ranges (default: first overflow)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``nantrace`` console script; returns the exit code."""
+    args = _parser().parse_args(argv)
+    if args.command == "demo":
+        return _demo(args)
+    if args.command == "report":
+        return _report(args.path)
+    if args.command == "plot":
+        return _plot(args.path, args.output, args.what, args.step)
+    _parser().print_help()
+    return EXIT_USAGE
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def _err(msg: str) -> None:
+    print(f"nantrace: error: {msg}", file=sys.stderr)
+
+
+def scale_history(steps: pd.DataFrame) -> str:
+    """'65536 (steps 0-2) → 32768 (step 3, skipped) → …' compressed runs of equal loss scale."""
+    if len(steps) == 0 or steps["scale"].isna().all():
+        return "no GradScaler (no loss scale recorded)"
+    parts: list[str] = []
+    scales = steps["scale"].tolist()
+    skipped = steps["skipped"].fillna(False).tolist()
+    ids = steps["step"].tolist()
+    i = 0
+    while i < len(scales):
+        j = i
+        while j + 1 < len(scales) and scales[j + 1] == scales[i]:
+            j += 1
+        span = f"step {ids[i]}" if i == j else f"steps {ids[i]}-{ids[j]}"
+        n_skip = sum(skipped[i : j + 1])
+        note = f", {n_skip} skipped" if n_skip else ""
+        parts.append(f"{scales[i]:g} ({span}{note})")
+        i = j + 1
+    return " → ".join(parts)
+
+
+def summary_lines(tr: Any) -> list[str]:
+    st = tr.steps
+    lines = [f"steps: {len(st)}, records: {len(tr.records)}"]
+    if len(st):
+        skipped = st.loc[st["skipped"].fillna(False).astype(bool), "step"].tolist()
+        lines.append(f"loss scale: {scale_history(st)}")
+        lines.append(
+            f"skipped steps ({len(skipped)}): {', '.join(map(str, skipped[:30]))}{' …' if len(skipped) > 30 else ''}"
+            if skipped
+            else "skipped steps: none"
+        )
+        loss = st["loss"].to_numpy()
+        finite = [v for v in loss if math.isfinite(v)]
+        if finite:
+            lines.append(f"loss: first {loss[0]:.4g}, last {loss[-1]:.4g}, min {min(finite):.4g}")
+    return lines
+
+
+def _diagnosis_text(tr: Any) -> str | None:
+    diagnose = getattr(tr, "diagnose", None)
+    if diagnose is None:
+        return None
+    return str(diagnose())
+
+
+# ------------------------------------------------------------------------------------------- report
+def _load(path: Path) -> Any:
+    from . import load
+    from ._trace import NantraceError
+
+    try:
+        return load(path)
+    except (FileNotFoundError, NantraceError) as e:
+        _err(str(e))
+        return None
+
+
+def _report(path: Path) -> int:
+    tr = _load(path)
+    if tr is None:
+        return EXIT_USAGE
+    ov = tr.first_overflow()
+    print(f"trace: {path}")
+    print(
+        f"model: {tr.header.get('model_class')}, nantrace {tr.header.get('nantrace')}, torch {tr.header.get('torch')}"
+    )
+    for line in summary_lines(tr):
+        print(line)
+    print()
+    if ov is None:
+        print("first overflow: none: every recorded value was finite.")
+    else:
+        print(
+            f"first overflow: step {ov.step}, {ov.phase}, module `{ov.module}` ({ov.module_type}), {ov.kind}"
+        )
+        print(f"  {ov}")
+        ovs = tr.overflows()
+        if len(ovs) > 1:
+            print(f"\nsteps with a non-finite value ({len(ovs)}), first producer of each:")
+            print(
+                ovs[["step", "micro_step", "phase", "module", "tensor", "kind"]]
+                .head(20)
+                .to_string(index=False)
+            )
+    diag = _diagnosis_text(tr)
+    if diag:
+        print(f"\n{diag}")
+    return EXIT_OK if ov is None else EXIT_OVERFLOW
+
+
+# ------------------------------------------------------------------------------------------- plot
+def _figures(tr: Any, what: str, step: int | None) -> dict[str, Any]:
+    from . import plot
+
+    if what == "heatmap":
+        return {"heatmap": plot.heatmap(tr.records)}
+    if what == "scale":
+        return {"scale": plot.scale_timeline(tr.steps)}
+    if what == "ranges":
+        return {"ranges": plot.ranges(tr.records, step)}
+    return {"overview": plot.overview(tr.records, tr.steps)}
+
+
+def _plot(path: Path, output: Path, what: str, step: int | None) -> int:
+    tr = _load(path)
+    if tr is None:
+        return EXIT_USAGE
+    try:
+        fig = next(iter(_figures(tr, what, step).values()))
+    except ImportError as e:
+        _err(str(e))
+        return EXIT_MISSING_EXTRA
+    except (ValueError, TypeError) as e:
+        _err(str(e))
+        return EXIT_USAGE
+    if not output.parent.is_dir():
+        _err(f"output directory {str(output.parent)!r} does not exist")
+        return EXIT_USAGE
+    fig.savefig(output, dpi=110, bbox_inches="tight")
+    print(f"wrote {output}")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------- demo
+def _new_out_dir() -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path.cwd() / f"nantrace-demo-{stamp}"
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = Path(f"{base}-{n}")
+    return out
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import trace
+    from .examples.chargpt import DemoConfig, build, train_step
+
+    if args.steps is not None and args.steps < 1:
+        _err(f"--steps must be ≥ 1; got {args.steps}")
+        return EXIT_USAGE
+    if args.lr is not None and not (args.lr > 0 and math.isfinite(args.lr)):
+        _err(f"--lr must be a positive number; got {args.lr}")
+        return EXIT_USAGE
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        torch.device(device)
+    except RuntimeError as e:
+        _err(f"--device {device!r}: {e}")
+        return EXIT_USAGE
+    cfg = DemoConfig(dtype=args.dtype, seed=args.seed, device=device)
+    if args.steps is not None:
+        cfg.steps = args.steps
+    if args.lr is not None:
+        cfg.lr = args.lr
+    out: Path = args.out if args.out is not None else _new_out_dir()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _err(f"--out {str(out)!r}: cannot create it ({e})")
+        return EXIT_USAGE
+
+    torch.set_num_threads(min(torch.get_num_threads(), 4))
+    print(
+        f"nantrace demo: a {cfg.n_layer}-layer character GPT (d_model {cfg.d_model}, no normalisation) on the "
+        f"stdlib's source, {cfg.dtype} autocast + GradScaler, Adam lr {cfg.lr:g}, {cfg.steps} steps, {device}"
+    )
+    model, optimizer, scaler, batch_iter = build(cfg)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(range(cfg.steps), desc="training", unit="step", disable=args.no_progress, file=sys.stdout)
+    with trace(model, scaler=scaler, optimizer=optimizer) as tr:
+        for step in bar:
+            x, y = next(batch_iter)
+            loss = train_step(model, optimizer, scaler, x, y, cfg.torch_dtype, device)
+            bar.set_postfix(step=step, loss=f"{float(loss):.3f}", scale=f"{scaler.get_scale():g}")
+    bar.close()
+
+    print()
+    ov = tr.first_overflow()
+    if ov is None:
+        print("locator: no overflow: every recorded activation and gradient stayed finite.")
+    else:
+        print(
+            f"locator: first non-finite value at step {ov.step}, {ov.phase}, module `{ov.module}` ({ov.module_type}):"
+        )
+        print(f"  {ov}")
+    diag = _diagnosis_text(tr)
+    if diag:
+        print(f"\n{diag}")
+    print()
+    for line in summary_lines(tr):
+        print(line)
+    if cfg.dtype == "bfloat16":
+        _bf16_note(tr)
+
+    path = tr.save(out / "trace.nantrace")
+    written = [path]
+    try:
+        for name, fig in _figures(tr, "overview", None).items():
+            png = out / f"{name}.png"
+            fig.savefig(png, dpi=110, bbox_inches="tight")
+            written.append(png)
+        if ov is not None:
+            for name, fig in _figures(tr, "ranges", ov.step).items():
+                png = out / f"{name}.png"
+                fig.savefig(png, dpi=110, bbox_inches="tight")
+                written.append(png)
+    except ImportError:
+        print('\nplots skipped: matplotlib is not installed (pip install "nantrace[plot]")')
+    print("\nwrote:")
+    for w in written:
+        print(f"  {w}")
+    print(f"read it back with: nantrace report {path}")
+    return EXIT_OK
+
+
+def _bf16_note(tr: Any) -> None:
+    from ._report import FP16_MAX, headroom_table
+
+    hr = headroom_table(tr.records, top=1000)
+    over = hr[hr["absmax"] > FP16_MAX]
+    print(
+        "\nbfloat16 has float32's 8 exponent bits (max 3.39e38) where float16 has 5 (max 65504): "
+        "activations that overflow float16 stay finite in bfloat16."
+    )
+    if len(over):
+        print(
+            f"{len(over)} module(s) of this run exceeded float16's 65504 and would have overflowed in float16:"
+        )
+        for r in over.head(8).itertuples():
+            print(f"  {r.module or '(root)'} ({r.module_type}): absmax {r.absmax:.4g}")
+    else:
+        print("In this run every value stayed below 65504 as well.")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
