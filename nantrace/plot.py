@@ -1,0 +1,1092 @@
+"""Figures for nantrace records: how close each module's values come to a dtype's limits.
+
+All figures are built with the object API (:class:`matplotlib.figure.Figure`), never with
+``pyplot``'s global state, so they work headless (Agg) and in threads. matplotlib is imported only
+when a plotting function is called; without it those functions raise :class:`ImportError`.
+
+Units used throughout:
+
+* ``log2_absmax``: ``log2(absmax)``, the base-2 exponent of the largest finite ``|x|`` of a tensor.
+* ``headroom``: ``log2(finfo.max / absmax)`` in **bits**, i.e. how many doublings the largest
+  finite ``|x|`` can still take before it overflows the limit dtype. For float16,
+  ``finfo.max = torch.finfo(torch.float16).max = 65504``, so headroom is ``log2(65504 / absmax)``
+  and 0 bits means "at the float16 maximum".
+
+The dtype bands come from :func:`torch.finfo` of the limit dtype: ``max`` (float16: 65504),
+``smallest_normal`` (float16: ``2**-14``) and the smallest subnormal, ``smallest_normal * eps``
+(float16: ``2**-14 * 2**-10 = 2**-24``); a magnitude below the smallest subnormal rounds to zero.
+
+Gradient records are stored as recorded, i.e. multiplied by the loss scale (``records["scale"]``),
+which is what decides whether they overflow in float16; nothing here unscales them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import pandas as pd
+import torch
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "PHASES",
+    "heatmap",
+    "heatmap_grid",
+    "nonfinite_grid",
+    "overview",
+    "ranges",
+    "scale_timeline",
+]
+
+#: The phases a record can belong to, in the order they happen within a step.
+PHASES: tuple[str, ...] = ("data", "forward", "loss", "backward", "optimizer")
+
+HeatmapValue = Literal["headroom", "log2_absmax"]
+_VALUES: tuple[str, ...] = ("headroom", "log2_absmax")
+
+_GRID_COLUMNS = ("step", "micro_step", "seq", "phase", "module", "absmax", "n_nan", "n_posinf", "n_neginf")
+_RANGE_COLUMNS = (*_GRID_COLUMNS, "module_type", "absmin")
+_STEP_COLUMNS = ("step", "loss", "scale", "skipped")
+
+_DTYPE_ALIASES = {
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "double": "float64",
+}
+
+# Colours chosen to be absent from the RdYlBu colour maps used for values.
+_NONFINITE_COLOR = "#ff00ff"  # magenta: NaN or +-inf was seen
+_NO_DATA_COLOR = "#d9d9d9"  # light grey: no record, or no finite value
+_BEYOND_LIMIT_COLOR = "#000000"  # black: finite but above the limit dtype's max (a wider dtype)
+_ROOT_LABEL = "<root>"
+_MAX_NONFINITE_MARKERS = 5000  # more onsets of NaN/inf runs than this: magenta overlay only
+
+
+# --------------------------------------------------------------------------------------------
+# argument handling
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """Representable magnitudes of a floating dtype, from :func:`torch.finfo`."""
+
+    name: str  # e.g. "float16"
+    max: float  # finfo.max; float16: 65504
+    smallest_normal: float  # finfo.smallest_normal; float16: 2**-14
+    smallest_subnormal: float  # smallest_normal * eps; float16: 2**-24
+
+    @property
+    def log2_max(self) -> float:
+        return math.log2(self.max)
+
+
+def _limits(dtype_limit: object) -> _Limits:
+    """Resolve ``dtype_limit`` (a floating :class:`torch.dtype` or its name) to its limits.
+
+    Accepted names: ``"float16"``, ``"torch.float16"``, ``"bfloat16"``, ... and the aliases
+    ``fp16``/``half``, ``bf16``, ``fp32``/``float``, ``fp64``/``double``.
+
+    Raises:
+        TypeError: ``dtype_limit`` is neither a :class:`torch.dtype` nor a str.
+        ValueError: it names no torch dtype, or a dtype that is not floating point.
+    """
+    if isinstance(dtype_limit, torch.dtype):
+        dtype = dtype_limit
+    elif isinstance(dtype_limit, str):
+        name = dtype_limit.strip().lower().removeprefix("torch.")
+        name = _DTYPE_ALIASES.get(name, name)
+        found = getattr(torch, name, None)
+        if not isinstance(found, torch.dtype):
+            raise ValueError(
+                f"dtype_limit={dtype_limit!r} is not a torch dtype name; use e.g. 'float16' or torch.float16"
+            )
+        dtype = found
+    else:
+        raise TypeError(
+            f"dtype_limit must be a torch.dtype or a dtype name such as 'float16', "
+            f"got {type(dtype_limit).__name__} {dtype_limit!r}"
+        )
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype_limit={dtype_limit!r} is not a floating point dtype")
+    info = torch.finfo(dtype)
+    return _Limits(
+        name=str(dtype).removeprefix("torch."),
+        max=float(info.max),
+        smallest_normal=float(info.smallest_normal),
+        smallest_subnormal=float(info.smallest_normal) * float(info.eps),
+    )
+
+
+def _check_frame(frame: object, arg: str, columns: Sequence[str]) -> pd.DataFrame:
+    """Check that ``frame`` is a non-empty DataFrame holding ``columns``.
+
+    Raises:
+        TypeError: ``frame`` is not a :class:`pandas.DataFrame`.
+        ValueError: it lacks one of ``columns`` or has no rows.
+    """
+    if not isinstance(frame, pd.DataFrame):
+        raise TypeError(f"{arg} must be a pandas.DataFrame, got {type(frame).__name__}")
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise ValueError(f"{arg} is missing required column(s) {missing}; it has {list(frame.columns)}")
+    if frame.empty:
+        raise ValueError(f"{arg} has no rows")
+    return frame
+
+
+def _parse_phase(phase: object) -> tuple[str, ...] | None:
+    """Normalise ``phase`` (one phase, a sequence of phases, or None for all) to a tuple or None.
+
+    Raises:
+        TypeError: ``phase`` is not a str, a sequence of str, or None.
+        ValueError: a phase is not one of :data:`PHASES`, or the sequence is empty.
+    """
+    if phase is None:
+        return None
+    if isinstance(phase, str):
+        phases: tuple[object, ...] = (phase,)
+    elif isinstance(phase, Sequence):
+        phases = tuple(phase)
+        if not phases:
+            raise ValueError("phase must not be an empty sequence; use None for all phases")
+    else:
+        raise TypeError(
+            f"phase must be a str, a sequence of str or None, got {type(phase).__name__} {phase!r}"
+        )
+    for p in phases:
+        if p not in PHASES:
+            raise ValueError(f"phase={phase!r}: {p!r} is not one of {list(PHASES)} (or None for all)")
+    return tuple(str(p) for p in phases)
+
+
+def _select_phase(records: pd.DataFrame, phase: object) -> pd.DataFrame:
+    """Rows of ``records`` in ``phase``; raise ValueError when there are none."""
+    phases = _parse_phase(phase)
+    if phases is None:
+        return records
+    selected = records[records["phase"].isin(phases)]
+    if selected.empty:
+        present = sorted(records["phase"].astype(str).unique())
+        raise ValueError(f"records has no rows with phase={phase!r}; phases present: {present}")
+    return selected
+
+
+def _check_value(value: object) -> str:
+    if value not in _VALUES:
+        raise ValueError(f"value must be one of {list(_VALUES)}, got {value!r}")
+    return str(value)
+
+
+def _check_max_modules(max_modules: object) -> int | None:
+    if max_modules is None:
+        return None
+    if isinstance(max_modules, bool) or not isinstance(max_modules, (int, np.integer)):
+        raise TypeError(f"max_modules must be a positive int or None, got {type(max_modules).__name__}")
+    if max_modules < 1:
+        raise ValueError(f"max_modules must be >= 1, got {max_modules!r}")
+    return int(max_modules)
+
+
+def _import_matplotlib() -> None:
+    """Import the matplotlib modules used here, with an install hint when it is missing.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    try:
+        importlib.import_module("matplotlib.figure")
+    except ImportError as exc:
+        raise ImportError(
+            'nantrace.plot needs matplotlib; install it with: pip install "nantrace[plot]"'
+        ) from exc
+
+
+def _figure_and_ax(ax: object, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
+    """Return ``(figure, axes)``: a new constrained-layout Figure when ``ax`` is None.
+
+    Raises:
+        TypeError: ``ax`` is neither None nor a :class:`matplotlib.axes.Axes`.
+    """
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    if ax is None:
+        fig = Figure(figsize=figsize, layout="constrained")
+        return fig, fig.add_subplot()
+    if not isinstance(ax, Axes):
+        raise TypeError(f"ax must be a matplotlib.axes.Axes or None, got {type(ax).__name__}")
+    root: Any = ax.figure
+    while not isinstance(root, Figure):  # a SubFigure: walk up to the Figure that owns it
+        root = root.figure
+    return root, ax
+
+
+def _module_label(name: str) -> str:
+    return name if name else _ROOT_LABEL
+
+
+def _log2_ticks(lo_exp: int, hi_exp: int, max_ticks: int = 14) -> list[int]:
+    """Integer exponents from ``lo_exp`` to ``hi_exp`` at a stride of 1, 2, 4, 8, ... bits."""
+    stride = 1
+    while (hi_exp - lo_exp) // stride + 1 > max_ticks:
+        stride *= 2
+    start = math.ceil(lo_exp / stride) * stride
+    return list(range(start, hi_exp + 1, stride))
+
+
+def _thinned(n: int, max_labels: int) -> list[int]:
+    """Indices ``0, k, 2k, ... < n`` with the smallest stride ``k`` giving at most ``max_labels``."""
+    stride = max(1, math.ceil(n / max(1, max_labels)))
+    return list(range(0, n, stride))
+
+
+def _spaced_labels(n: int, max_labels: int, first: Sequence[int], extra: Sequence[int]) -> list[int]:
+    """Rows to label: ``first``, then an evenly thinned set, then ``extra``, never two too close.
+
+    Rows are taken in that priority and a row is skipped when a taken one lies closer than the
+    thinning stride, so labels cannot overlap.
+    """
+    stride = max(1, math.ceil(n / max(1, max_labels)))
+    taken: list[int] = []
+    for row in [*first, *_thinned(n, max_labels), *extra]:
+        if all(abs(row - other) >= stride for other in taken):
+            taken.append(row)
+    return sorted(taken)
+
+
+def _label_slots(fig: Figure, ax: Axes, fontsize: float, vertical: bool = True) -> int:
+    """How many tick labels of ``fontsize`` points fit along the axes without overlapping."""
+    width_in, height_in = fig.get_size_inches()
+    pos = ax.get_position()
+    # Before constrained layout has run, ax.get_position() is the full subplot slot: take ~75 %.
+    length_in = (pos.height * height_in if vertical else pos.width * width_in) * 0.75
+    return max(2, int(length_in * 72 / (fontsize * 1.35)))
+
+
+# --------------------------------------------------------------------------------------------
+# heatmap
+# --------------------------------------------------------------------------------------------
+
+
+def _module_codes(module: pd.Series) -> tuple[np.ndarray, list[str]]:
+    """Integer codes of the module names and the name of each code (categorical codes, no copies).
+
+    Raises:
+        ValueError: a module name is missing (NaN/None).
+    """
+    categorical = module if isinstance(module.dtype, pd.CategoricalDtype) else module.astype("category")
+    codes = categorical.cat.codes.to_numpy()
+    if codes.size and codes.min() < 0:
+        raise ValueError("records['module'] has missing values; the root module is named ''")
+    return codes, [str(name) for name in categorical.cat.categories]
+
+
+def _first_seen(selected: pd.DataFrame, codes: np.ndarray) -> np.ndarray:
+    """Module codes in first-seen order: by (step, micro_step, seq) of each module's first record."""
+    step = selected["step"].to_numpy(dtype="int64")
+    # only rows in each module's first step can hold its first record: sort just those
+    first_step = np.full(int(codes.max()) + 1 if codes.size else 0, np.iinfo(np.int64).max)
+    np.minimum.at(first_step, codes, step)
+    rows = np.nonzero(step == first_step[codes])[0]
+    order = rows[
+        np.lexsort(
+            (
+                selected["seq"].to_numpy(dtype="int64")[rows],
+                selected["micro_step"].to_numpy(dtype="int64")[rows],
+                step[rows],
+            )
+        )
+    ]
+    present, first = np.unique(codes[order], return_index=True)
+    return present[np.argsort(first)]
+
+
+def _module_order(selected: pd.DataFrame) -> list[str]:
+    """Module names in first-seen order: by (step, micro_step, seq) of their first record."""
+    codes, names = _module_codes(selected["module"])
+    return [names[c] for c in _first_seen(selected, codes)]
+
+
+def _grids(records: object, phase: object) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(absmax, nonfinite)`` module x step grids of the records in ``phase``.
+
+    ``absmax`` holds the max absmax over every tensor and micro-step of that (module, step) (NaN
+    where there was no record or no finite value); ``nonfinite`` is True where any of those
+    tensors had ``n_nan + n_posinf + n_neginf > 0``.
+    """
+    frame = _check_frame(records, "records", _GRID_COLUMNS)
+    selected = _select_phase(frame, phase)
+    codes, names = _module_codes(selected["module"])
+    ordered = _first_seen(selected, codes)
+    row_of_code = np.full(len(names), -1, dtype="int64")
+    row_of_code[ordered] = np.arange(ordered.size)
+    steps, column = np.unique(selected["step"].to_numpy(dtype="int64"), return_inverse=True)
+    cell = row_of_code[codes] * steps.size + column.reshape(-1)
+    shape = (ordered.size, steps.size)
+
+    # max per cell, skipping NaN: -inf stands for "nothing finite yet" (absmax itself is >= 0)
+    values = selected["absmax"].to_numpy(dtype="float64")
+    absmax = np.full(shape[0] * shape[1], -np.inf)
+    np.maximum.at(absmax, cell, np.where(np.isnan(values), -np.inf, values))
+    absmax[np.isneginf(absmax)] = np.nan
+    n_bad = (
+        selected["n_nan"].to_numpy(dtype="int64")
+        + selected["n_posinf"].to_numpy(dtype="int64")
+        + selected["n_neginf"].to_numpy(dtype="int64")
+    )
+    bad = np.zeros(shape[0] * shape[1], dtype=bool)
+    bad[cell[n_bad > 0]] = True
+
+    index = pd.Index([names[c] for c in ordered], name="module")
+    columns = pd.Index(steps, name="step")
+    return (
+        pd.DataFrame(absmax.reshape(shape), index=index, columns=columns),
+        pd.DataFrame(bad.reshape(shape), index=index, columns=columns),
+    )
+
+
+def heatmap_grid(
+    records: pd.DataFrame,
+    *,
+    value: HeatmapValue = "headroom",
+    phase: str | Sequence[str] | None = "forward",
+    dtype_limit: torch.dtype | str = "float16",
+) -> pd.DataFrame:
+    """The module x step matrix drawn by :func:`heatmap`.
+
+    For each (module, step) this takes ``absmax`` = the max ``absmax`` over all of that module's
+    tensors (inputs, outputs, gradients, parameters) and micro-steps in the chosen phase(s), then:
+
+    * ``value="headroom"``: ``log2(finfo.max / absmax)`` in bits, ``finfo = torch.finfo(dtype_limit)``;
+      for float16 ``log2(65504 / absmax)``. 0 bits = at the float16 maximum, negative = above it
+      (possible for float32 tensors), ``+inf`` where ``absmax == 0``.
+    * ``value="log2_absmax"``: ``log2(absmax)`` (float16 overflows above ``log2(65504) ~ 16``);
+      ``-inf`` where ``absmax == 0``.
+
+    Args:
+        records: the nantrace records DataFrame.
+        value: ``"headroom"`` or ``"log2_absmax"``.
+        phase: one of :data:`PHASES`, a sequence of them, or None for all phases.
+        dtype_limit: the dtype whose ``finfo.max`` defines headroom (ignored for ``log2_absmax``).
+
+    Returns:
+        float64 DataFrame, index ``module`` (qualified names, root ``""``) in first-seen order
+        (by step, micro_step, seq), columns ``step`` ascending. NaN where the module has no
+        record in that step, or no finite value (see :func:`nonfinite_grid` for the latter).
+
+    Raises:
+        TypeError: ``records`` is not a DataFrame, ``phase`` or ``dtype_limit`` has a wrong type.
+        ValueError: a required column is missing, there are no rows (in ``phase``), or ``value``,
+            ``phase`` or ``dtype_limit`` is not a recognised value.
+    """
+    kind = _check_value(value)
+    limits = _limits(dtype_limit)
+    absmax, _ = _grids(records, phase)
+    return _transform(absmax, kind, limits)
+
+
+def _transform(absmax: pd.DataFrame, kind: str, limits: _Limits) -> pd.DataFrame:
+    """``log2(limits.max / absmax)`` (headroom, bits) or ``log2(absmax)``, elementwise."""
+    data = absmax.to_numpy(dtype="float64")
+    with np.errstate(divide="ignore"):
+        out = np.log2(limits.max / data) if kind == "headroom" else np.log2(data)
+    return pd.DataFrame(out, index=absmax.index, columns=absmax.columns)
+
+
+def nonfinite_grid(
+    records: pd.DataFrame,
+    *,
+    phase: str | Sequence[str] | None = "forward",
+) -> pd.DataFrame:
+    """Module x step bool matrix: True where any tensor of the module held NaN or +-inf.
+
+    A cell is True when some record of that (module, step) in ``phase`` has
+    ``n_nan + n_posinf + n_neginf > 0``. Same index and columns as :func:`heatmap_grid` with the
+    same ``phase``; False where there is no record.
+
+    Raises:
+        TypeError: ``records`` is not a DataFrame or ``phase`` has a wrong type.
+        ValueError: a required column is missing, there are no rows (in ``phase``), or ``phase``
+            is not one of :data:`PHASES`.
+    """
+    _, bad = _grids(records, phase)
+    return bad
+
+
+def _phase_label(phase: object) -> str:
+    phases = _parse_phase(phase)
+    return "all phases" if phases is None else "phase " + "+".join(phases)
+
+
+def _keep_riskiest(values: pd.DataFrame, bad: pd.DataFrame, value: str, max_modules: int) -> list[int]:
+    """Row positions of the ``max_modules`` modules most at risk, in their original order.
+
+    Rank: modules by the first step with a NaN/inf (earliest first; these point at the origin of a
+    divergence), then the others by their largest ``log2_absmax`` (least headroom).
+    """
+    data = values.to_numpy(dtype="float64")
+    risk = -data if value == "headroom" else data
+    worst = np.where(np.isnan(risk), -np.inf, risk).max(axis=1)
+    mask = bad.to_numpy(dtype=bool)
+    first_bad = np.where(mask.any(axis=1), mask.argmax(axis=1), mask.shape[1])
+    # lexsort sorts by the last key first: earliest non-finite step, then the largest risk
+    ranked = np.lexsort((-worst, first_bad))
+    return sorted(int(i) for i in ranked[:max_modules])
+
+
+def _first_nonfinite(bad: pd.DataFrame) -> tuple[int, str] | None:
+    """``(step, modules)`` of the first step with a NaN/inf; ``modules`` names up to two of them."""
+    mask = bad.to_numpy(dtype=bool)
+    columns = np.nonzero(mask.any(axis=0))[0]
+    if not columns.size:
+        return None
+    col = int(columns[0])
+    names = [f"'{_module_label(str(bad.index[int(r)]))}'" for r in np.nonzero(mask[:, col])[0]]
+    text = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+    return int(bad.columns[col]), text
+
+
+def _cell_edges(centers: np.ndarray) -> np.ndarray:
+    """Edges between consecutive cell centres (steps need not be evenly spaced)."""
+    if centers.size == 1:
+        return np.array([centers[0] - 0.5, centers[0] + 0.5])
+    mids = (centers[:-1] + centers[1:]) / 2
+    return np.concatenate(
+        ([centers[0] - (mids[0] - centers[0])], mids, [centers[-1] + (centers[-1] - mids[-1])])
+    )
+
+
+def _special_levels(value: str, limits: _Limits) -> list[tuple[float, str]]:
+    """Colour-bar levels of the dtype's max, smallest normal and smallest subnormal."""
+    marks = [
+        (limits.max, f"max {limits.max:g}"),
+        (limits.smallest_normal, f"min normal 2^{round(math.log2(limits.smallest_normal))}"),
+        (limits.smallest_subnormal, f"min subnormal 2^{round(math.log2(limits.smallest_subnormal))}"),
+    ]
+    if value == "headroom":
+        return [(math.log2(limits.max / m), text) for m, text in marks]
+    return [(math.log2(m), text) for m, text in marks]
+
+
+def _draw_heatmap(
+    fig: Figure,
+    ax: Axes,
+    records: object,
+    value: str,
+    phase: object,
+    limits: _Limits,
+    max_modules: int | None,
+) -> tuple[Any, list[tuple[float, str]], str]:
+    """Draw the heatmap on ``ax``; return the value mesh, the colour-bar levels and its ``extend``."""
+    import matplotlib
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    absmax, bad = _grids(records, phase)
+    values = _transform(absmax, value, limits)
+    n_total = len(values.index)
+    first_bad = _first_nonfinite(bad)
+    if max_modules is not None and n_total > max_modules:
+        keep = _keep_riskiest(values, bad, value, max_modules)
+        values, bad = values.iloc[keep], bad.iloc[keep]
+    n_rows, n_steps = values.shape
+    data = values.to_numpy(dtype="float64")
+    mask = bad.to_numpy(dtype=bool)
+    steps = values.columns.to_numpy(dtype="float64")
+
+    finite = data[np.isfinite(data)]
+    # The colour range ends at the limit dtype's max (0 bits of headroom, log2(max) of log2_absmax);
+    # values beyond it (only possible for tensors wider than the limit dtype) get one "over the
+    # limit" colour, the colour bar's extension.
+    if value == "headroom":
+        vmin = 0.0
+        vmax = max(float(finite.max()) if finite.size else 0.0, 1.0)
+        cmap_name = "RdYlBu"  # red = little headroom
+    else:
+        vmax = limits.log2_max
+        vmin = min(float(finite.min()) if finite.size else vmax, vmax - 1.0)
+        cmap_name = "RdYlBu_r"  # red = large values
+    cmap = matplotlib.colormaps[cmap_name]
+    beyond = _BEYOND_LIMIT_COLOR
+    if value == "headroom":
+        cmap = cmap.with_extremes(bad=_NO_DATA_COLOR, under=beyond, over=cmap(1.0))
+        shown = np.where(np.isposinf(data), vmax + 1.0, data)  # absmax == 0: most headroom
+    else:
+        cmap = cmap.with_extremes(bad=_NO_DATA_COLOR, over=beyond, under=cmap(0.0))
+        shown = np.where(np.isneginf(data), vmin - 1.0, data)  # absmax == 0: smallest value
+    beyond_cells = (shown < vmin) if value == "headroom" else (shown > vmax)
+    n_beyond = int(np.count_nonzero(beyond_cells & ~mask))  # those not hidden under the NaN/inf overlay
+
+    x_edges = _cell_edges(steps)
+    y_edges = np.arange(n_rows + 1) - 0.5
+    mesh = ax.pcolormesh(
+        x_edges,
+        y_edges,
+        np.ma.masked_invalid(shown),
+        cmap=cmap,
+        vmin=vmin,
+        vmax=vmax,
+        shading="flat",
+        rasterized=True,
+    )
+    mesh.set_gid("values")
+    if mask.any():
+        overlay = ax.pcolormesh(
+            x_edges,
+            y_edges,
+            np.ma.masked_where(~mask, np.ones(mask.shape)),
+            cmap=ListedColormap([_NONFINITE_COLOR]),
+            vmin=0,
+            vmax=2,
+            shading="flat",
+            rasterized=True,
+        )
+        overlay.set_gid("nonfinite")
+        # An x marks where each run of non-finite cells starts in a module, so that a single bad
+        # cell stays visible when cells are smaller than a pixel.
+        onset = mask & ~np.pad(mask, ((0, 0), (1, 0)))[:, :-1]
+        rows, cols = np.nonzero(onset)
+        if rows.size <= _MAX_NONFINITE_MARKERS:
+            ax.scatter(
+                steps[cols],
+                rows,
+                marker="x",
+                s=30.0 if n_rows * n_steps <= 5000 else 16.0,
+                c="black",
+                linewidths=1.0,
+                zorder=3,
+                gid="nonfinite_onsets",
+            )
+    ax.set_xlim(x_edges[0], x_edges[-1])
+    ax.set_ylim(n_rows - 0.5, -0.5)  # first-seen module on top
+    fontsize = 8.0 if n_rows <= 30 else 6.0
+    # label the module of the first NaN/inf even when thinning would skip it
+    bad_cols = np.nonzero(mask.any(axis=0))[0]
+    first_bad_rows = np.nonzero(mask[:, bad_cols[0]])[0][:1].tolist() if bad_cols.size else []
+    rows_shown = _spaced_labels(n_rows, _label_slots(fig, ax, fontsize), first=first_bad_rows, extra=[])
+    ax.set_yticks(rows_shown, [_module_label(str(values.index[i])) for i in rows_shown], fontsize=fontsize)
+    ax.tick_params(axis="y", length=2)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
+    ax.set_xlabel("optimizer step", loc="left")  # the legend sits below the axes on the right
+    if n_rows == n_total:
+        ax.set_ylabel(f"module, first-seen order ({n_rows} modules)")
+    else:
+        ax.set_ylabel(
+            f"module, first-seen order\n{n_rows} of {n_total}: earliest NaN/inf, then least headroom"
+        )
+
+    if value == "headroom":
+        what = f"Headroom to {limits.name} max {limits.max:g}: log2({limits.max:g} / max|x|) [bits]"
+    else:
+        what = f"log2(max |x|) per module  ({limits.name} overflows above log2({limits.max:g}) = {limits.log2_max:.2f})"
+    title = f"{what}, {_phase_label(phase)}"
+    if first_bad is not None:
+        title += f"\nfirst non-finite value at step {first_bad[0]} in {first_bad[1]}"
+    ax.set_title(title, fontsize=10, loc="left")
+    handles = [
+        Patch(facecolor=_NONFINITE_COLOR, edgecolor="black", label="NaN/inf seen (x: first step of a run)"),
+        Patch(facecolor=_NO_DATA_COLOR, edgecolor="black", label="no record / no finite value"),
+    ]
+    if n_beyond:
+        handles.append(
+            Patch(facecolor=_BEYOND_LIMIT_COLOR, label=f"above {limits.name} max ({n_beyond} cells)")
+        )
+    ax.legend(
+        handles=handles,
+        loc="upper right",
+        bbox_to_anchor=(1.0, -0.04 if n_rows > 30 else -0.08),
+        ncols=len(handles),
+        fontsize=7,
+        frameon=False,
+        borderaxespad=0.2,
+    )
+    extend = "neither" if not n_beyond else ("min" if value == "headroom" else "max")
+    return mesh, _special_levels(value, limits), extend
+
+
+def _add_colorbar(
+    fig: Figure, ax: Axes, mesh: Any, levels: list[tuple[float, str]], extend: str, label: str
+) -> Any:
+    """A colour bar for ``mesh`` whose ticks include the dtype's max/min-normal/min-subnormal levels."""
+    from matplotlib.ticker import MaxNLocator
+
+    cbar = fig.colorbar(mesh, ax=ax, fraction=0.04, pad=0.01, aspect=30, extend=extend, extendfrac=0.03)
+    vmin, vmax = mesh.norm.vmin, mesh.norm.vmax
+    inside = [(v, text) for v, text in levels if vmin <= v <= vmax]
+    regular = [float(t) for t in MaxNLocator(nbins=8).tick_values(vmin, vmax) if vmin <= t <= vmax]
+    # drop regular ticks that would collide with a labelled level
+    gap = (vmax - vmin) / 25
+    regular = [t for t in regular if all(abs(t - v) > gap for v, _ in inside)]
+    ticks = regular + [v for v, _ in inside]
+    labels = [f"{t:g}" for t in regular] + [f"{v:.0f}  ({text})" for v, text in inside]
+    cbar.set_ticks(ticks, labels=labels, fontsize=7)
+    for v, _ in inside:
+        cbar.ax.axhline(v, color="black", linewidth=1.2)
+    cbar.set_label(label, fontsize=8)
+    return cbar
+
+
+def heatmap(
+    records: pd.DataFrame,
+    *,
+    value: HeatmapValue = "headroom",
+    phase: str | Sequence[str] | None = "forward",
+    dtype_limit: torch.dtype | str = "float16",
+    max_modules: int | None = 200,
+    ax: Axes | None = None,
+) -> Figure:
+    """Module x step heatmap of headroom (bits) or log2 absmax; NaN/inf cells in magenta.
+
+    Each cell is one (module, step) of :func:`heatmap_grid`: the max absmax over that module's
+    tensors and micro-steps in ``phase``, shown as headroom ``log2(finfo.max / absmax)`` bits
+    (float16: ``log2(65504 / absmax)``; 0 bits = at ``torch.finfo(torch.float16).max = 65504``) or
+    as ``log2(absmax)``. Red means close to overflow. Cells where a NaN or +-inf was counted are
+    magenta, and an x marks the first step of each run of them in a module (omitted when there
+    are more than 5000 runs), so that a single bad cell stays visible when cells are smaller than
+    a pixel. Grey cells have no record or no finite value; black cells hold finite values above
+    the limit dtype's max (tensors of a wider dtype, e.g. float32 with ``|x| > 65504``). The colour bar marks the dtype's max (0 bits of headroom, ``log2(65504) ~ 16``), its
+    smallest normal (float16 ``2**-14``) and smallest subnormal (``2**-24``) where they fall in range.
+    Modules run top to bottom in first-seen order; tick labels are thinned to fit.
+
+    Args:
+        records: the nantrace records DataFrame.
+        value: ``"headroom"`` (bits) or ``"log2_absmax"``.
+        phase: one of :data:`PHASES`, a sequence of them, or None for all phases.
+        dtype_limit: dtype whose limits are used, a :class:`torch.dtype` or a name (``"float16"``).
+        max_modules: draw at most this many modules: first those with a NaN/inf, earliest first,
+            then those with the least headroom; kept in first-seen order. None draws all.
+        ax: axes to draw on; None makes a new Figure.
+
+    Returns:
+        The Figure holding the heatmap and its colour bar.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        TypeError: an argument has the wrong type (``records``, ``phase``, ``dtype_limit``,
+            ``max_modules``, ``ax``); the message names it.
+        ValueError: an argument has a bad value, ``records`` lacks a column or has no rows in ``phase``.
+    """
+    kind = _check_value(value)
+    limits = _limits(dtype_limit)
+    cap = _check_max_modules(max_modules)
+    _parse_phase(phase)
+    frame = _check_frame(records, "records", _GRID_COLUMNS)
+    _import_matplotlib()
+    n_modules = frame["module"].nunique()
+    rows = min(n_modules, cap) if cap is not None else n_modules
+    fig, ax = _figure_and_ax(ax, figsize=(12.0, float(np.clip(2.2 + 0.16 * rows, 4.0, 12.0))))
+    mesh, levels, extend = _draw_heatmap(fig, ax, frame, kind, phase, limits, cap)
+    label = "headroom [bits]" if kind == "headroom" else "log2(max |x|)"
+    _add_colorbar(fig, ax, mesh, levels, extend, label)
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# loss-scale timeline
+# --------------------------------------------------------------------------------------------
+
+
+def _skipped_mask(skipped: pd.Series) -> np.ndarray:
+    """True where ``skipped`` is True; False for False, None and NaN."""
+    return skipped.eq(True).fillna(False).to_numpy(dtype=bool)
+
+
+def _pow2_formatter() -> Any:
+    from matplotlib.ticker import FuncFormatter
+
+    def fmt(v: float, _pos: object) -> str:
+        if v <= 0 or not math.isfinite(v):
+            return ""
+        e = math.log2(v)
+        return f"$2^{{{round(e)}}}$" if abs(e - round(e)) < 1e-9 else ""
+
+    return FuncFormatter(fmt)
+
+
+def _draw_scale_timeline(ax: Axes, steps: pd.DataFrame) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    frame = steps.sort_values("step", kind="stable")
+    x = frame["step"].to_numpy(dtype="float64")
+    scale = pd.to_numeric(frame["scale"], errors="coerce").to_numpy(dtype="float64")
+    loss = pd.to_numeric(frame["loss"], errors="coerce").to_numpy(dtype="float64")
+    skipped = _skipped_mask(frame["skipped"])
+    has_scale = bool(np.isfinite(scale).any())
+
+    loss_color = "tab:blue"
+    handles: list[Any] = []
+    if has_scale:
+        (line,) = ax.plot(x, scale, drawstyle="steps-post", color="black", linewidth=1.2, label="loss scale")
+        line.set_gid("scale")
+        handles.append(line)
+        (marks,) = ax.plot(
+            x[skipped],
+            scale[skipped],
+            linestyle="none",
+            marker="x",
+            markersize=7,
+            markeredgewidth=1.6,
+            color="red",
+            zorder=5,
+            label=f"skipped optimizer step ({int(skipped.sum())})",
+        )
+        marks.set_gid("skipped")
+        handles.append(marks)
+        ax.set_yscale("log", base=2)
+        ax.yaxis.set_major_formatter(_pow2_formatter())
+        ax.set_ylabel("loss scale (log2 axis)")
+        loss_ax = ax.twinx()
+        loss_ax.set_ylabel("loss", color=loss_color)
+        loss_ax.tick_params(axis="y", colors=loss_color)
+    else:
+        loss_ax = ax
+        ax.set_ylabel("loss")
+        ax.text(
+            0.01,
+            0.97,
+            "no GradScaler: the loss scale is NaN in every step, so only the loss is shown",
+            transform=ax.transAxes,
+            va="top",
+            fontsize=8,
+            color="dimgray",
+        )
+    (loss_line,) = loss_ax.plot(x, loss, color=loss_color, linewidth=1.0, alpha=0.85, label="loss")
+    loss_line.set_gid("loss")
+    handles.append(loss_line)
+    bad_loss = ~np.isfinite(loss)
+    if bad_loss.any():
+        # a NaN/inf loss cannot be placed on the y axis: mark it along the top edge instead
+        (bad_marks,) = loss_ax.plot(
+            x[bad_loss],
+            np.full(int(bad_loss.sum()), 0.98),
+            linestyle="none",
+            marker="v",
+            markersize=5,
+            color="darkorange",
+            transform=loss_ax.get_xaxis_transform(),
+            label=f"loss not finite ({int(bad_loss.sum())})",
+        )
+        bad_marks.set_gid("nonfinite_loss")
+        handles.append(bad_marks)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
+    ax.set_xlabel("optimizer step")
+    ax.set_title("Loss scale and loss per optimizer step", fontsize=10, loc="left")
+    ax.legend(
+        handles=handles,
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        ncols=len(handles),
+        fontsize=7,
+        frameon=False,
+        borderaxespad=0.2,
+    )
+
+
+def scale_timeline(steps: pd.DataFrame, ax: Axes | None = None) -> Figure:
+    """Loss scale per step on a log2 axis, skipped steps as red x, and the loss on a twin axis.
+
+    The loss scale is drawn as a step line (``steps["scale"]``, the scale used in that step's
+    backward); steps where ``steps["skipped"]`` is True (the GradScaler found inf/NaN gradients and
+    skipped the optimizer step) are red x markers at that step's scale. The loss is drawn on a
+    second y axis; non-finite losses are orange triangles along the top edge. Without a GradScaler
+    (``scale`` NaN in every row) only the loss is drawn, with a note saying so.
+
+    Args:
+        steps: the nantrace steps DataFrame (columns ``step, loss, scale, skipped`` are used).
+        ax: axes to draw on; None makes a new Figure.
+
+    Returns:
+        The Figure holding the timeline.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        TypeError: ``steps`` is not a DataFrame, or ``ax`` is not an Axes.
+        ValueError: ``steps`` lacks one of those columns or has no rows.
+    """
+    frame = _check_frame(steps, "steps", _STEP_COLUMNS)
+    _import_matplotlib()
+    fig, ax = _figure_and_ax(ax, figsize=(12.0, 3.6))
+    _draw_scale_timeline(ax, frame)
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# per-module ranges for one step
+# --------------------------------------------------------------------------------------------
+
+
+def _default_step(selected: pd.DataFrame) -> int:
+    """The first step with a NaN/inf in ``selected``, else its last step."""
+    n_bad = selected["n_nan"] + selected["n_posinf"] + selected["n_neginf"]
+    bad_steps = selected.loc[n_bad > 0, "step"]
+    return int(bad_steps.min()) if not bad_steps.empty else int(selected["step"].max())
+
+
+def _module_ranges(selected: pd.DataFrame) -> pd.DataFrame:
+    """One row per module (first-seen order): absmin, absmax, module_type and non-finite counts."""
+    module = selected["module"].astype(str).rename("module")
+    grouped = selected.assign(module=module, module_type=selected["module_type"].astype(str)).groupby(
+        "module", sort=False
+    )
+    table = grouped.agg(
+        module_type=("module_type", "first"),
+        absmin=("absmin", "min"),
+        absmax=("absmax", "max"),
+        n_nan=("n_nan", "sum"),
+        n_posinf=("n_posinf", "sum"),
+        n_neginf=("n_neginf", "sum"),
+    )
+    return table.reindex(_module_order(selected))
+
+
+def _draw_bands(ax: Axes, limits: _Limits, left: float, right: float) -> None:
+    """Shade the rounds-to-0, subnormal, normal and overflow bands of ``limits`` on a log2 x axis."""
+    sub = f"$2^{{{round(math.log2(limits.smallest_subnormal))}}}$"
+    normal = f"$2^{{{round(math.log2(limits.smallest_normal))}}}$"
+    top = f"{limits.max:g}"
+    bands = [
+        (left, limits.smallest_subnormal, "#bdbdbd", f"to 0 (< {sub})"),
+        (limits.smallest_subnormal, limits.smallest_normal, "#fdd49e", f"subnormal ({sub} .. {normal})"),
+        (limits.smallest_normal, limits.max, "#d9f0d3", f"normal ({normal} .. {top})"),
+        (limits.max, right, "#fcbba1", f"inf (> {top})"),
+    ]
+    label_tf = ax.get_xaxis_transform()
+    for lo, hi, color, text in bands:
+        if hi <= lo:
+            continue
+        span = ax.axvspan(lo, hi, color=color, alpha=0.55, zorder=0, linewidth=0)
+        span.set_gid("band:" + text.split(" (")[0])  # "band:to 0", "band:subnormal", ...
+        # the outer bands can be narrow: anchor their labels at the axes edge instead of centring
+        if lo == left:
+            x, ha = lo, "left"
+        elif hi == right:
+            x, ha = hi, "right"
+        else:
+            x, ha = math.sqrt(lo * hi), "center"
+        ax.text(x, 1.005, text, transform=label_tf, ha=ha, va="bottom", fontsize=7, color="dimgray")
+    for edge in (limits.smallest_subnormal, limits.smallest_normal, limits.max):
+        ax.axvline(edge, color="dimgray", linewidth=0.8, linestyle="--", zorder=1)
+
+
+def ranges(
+    records: pd.DataFrame,
+    step: int | None = None,
+    *,
+    phase: str | Sequence[str] | None = "forward",
+    dtype_limit: torch.dtype | str = "float16",
+    ax: Axes | None = None,
+) -> Figure:
+    """Per-module value range at one step against the dtype's subnormal/normal/overflow bands.
+
+    Each module gets a horizontal bar from its smallest non-zero ``|x|`` (min ``absmin``) to its
+    largest finite ``|x|`` (max ``absmax``) over its tensors and micro-steps in ``phase``, on a
+    log2 x axis. Shaded vertical bands come from ``torch.finfo(dtype_limit)``; for float16:
+    below ``2**-24`` (smallest subnormal) values round to 0, ``2**-24 .. 2**-14`` is subnormal
+    (reduced precision), ``2**-14 .. 65504`` is normal, and above 65504
+    (``torch.finfo(torch.float16).max``) values overflow to inf. Modules where a NaN or +-inf was
+    counted get a red bar, a red label and a red x at the right edge; all-zero modules get a grey
+    dot at the left edge.
+
+    Args:
+        records: the nantrace records DataFrame.
+        step: the step to show; None picks the first step with a NaN/inf in ``phase``, else the last.
+        phase: one of :data:`PHASES`, a sequence of them, or None for all phases.
+        dtype_limit: dtype whose bands are drawn, a :class:`torch.dtype` or a name (``"float16"``).
+        ax: axes to draw on; None makes a new Figure.
+
+    Returns:
+        The Figure holding the chart.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        TypeError: an argument has the wrong type (``records``, ``step``, ``phase``,
+            ``dtype_limit``, ``ax``); the message names it.
+        ValueError: ``step`` has no records in ``phase``, another argument has a bad value, or
+            ``records`` lacks a column or has no rows in ``phase``.
+    """
+    limits = _limits(dtype_limit)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
+        raise TypeError(f"step must be an int or None, got {type(step).__name__} {step!r}")
+    _parse_phase(phase)
+    frame = _check_frame(records, "records", _RANGE_COLUMNS)
+    selected = _select_phase(frame, phase)
+    if step is None:
+        step = _default_step(selected)
+    at_step = selected[selected["step"] == step]
+    if at_step.empty:
+        present = selected["step"]
+        raise ValueError(
+            f"step={step!r} has no records in {_phase_label(phase)}; steps present: "
+            f"{int(present.min())}..{int(present.max())}"
+        )
+    _import_matplotlib()
+    from matplotlib.ticker import NullLocator
+
+    table = _module_ranges(at_step)
+    n = len(table)
+    fig, ax = _figure_and_ax(ax, figsize=(11.0, float(np.clip(1.8 + 0.2 * n, 3.5, 14.0))))
+
+    absmin = table["absmin"].to_numpy(dtype="float64")
+    absmax = table["absmax"].to_numpy(dtype="float64")
+    n_nan = table["n_nan"].to_numpy(dtype="int64")
+    n_posinf = table["n_posinf"].to_numpy(dtype="int64")
+    n_neginf = table["n_neginf"].to_numpy(dtype="int64")
+    bad = (n_nan + n_posinf + n_neginf) > 0
+
+    positive = np.concatenate([absmin[absmin > 0], absmax[absmax > 0]])
+    # margins of 6 and 5 bits beyond the smallest subnormal and the max leave room for band labels
+    left = min(limits.smallest_subnormal / 2**6, float(positive.min()) / 2 if positive.size else math.inf)
+    right = max(limits.max * 2**5, float(positive.max()) * 2 if positive.size else 0.0)
+    ax.set_xscale("log", base=2)
+    ax.set_xlim(left, right)
+    _draw_bands(ax, limits, left, right)
+
+    y = np.arange(n)
+    drawable = np.isfinite(absmin) & np.isfinite(absmax) & (absmax > 0)
+    lo = np.where(drawable, absmin, np.nan)
+    hi = np.where(drawable, absmax, np.nan)
+    colors = np.where(bad, "tab:red", "tab:blue")
+    height = 0.7 if n <= 60 else 0.9
+    bars = ax.barh(
+        y[drawable], (hi - lo)[drawable], left=lo[drawable], height=height, color=colors[drawable], zorder=2
+    )
+    for patch in bars:
+        patch.set_gid("range")
+    # a bar with absmin == absmax has no width on screen: end ticks keep it visible
+    ax.scatter(lo[drawable], y[drawable], marker="|", s=40 if n <= 60 else 10, c=colors[drawable], zorder=3)
+    ax.scatter(hi[drawable], y[drawable], marker="|", s=40 if n <= 60 else 10, c=colors[drawable], zorder=3)
+    edge_tf = ax.get_yaxis_transform()
+    if bad.any():
+        ax.scatter(
+            np.full(int(bad.sum()), 0.985),
+            y[bad],
+            marker="x",
+            s=40 if n <= 60 else 12,
+            c="red",
+            linewidths=1.5,
+            transform=edge_tf,
+            zorder=4,
+            gid="nonfinite_modules",
+            clip_on=False,
+        )
+        if n <= 60:
+            for row in np.nonzero(bad)[0]:
+                parts = [
+                    f"{k} {int(c)}"
+                    for k, c in (("NaN", n_nan[row]), ("+inf", n_posinf[row]), ("-inf", n_neginf[row]))
+                    if c
+                ]
+                ax.text(
+                    0.97,
+                    float(row),
+                    ", ".join(parts),
+                    transform=edge_tf,
+                    ha="right",
+                    va="center",
+                    fontsize=7,
+                    color="darkred",
+                    bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none", "pad": 1.0},
+                )
+    zero = (absmax == 0) & ~bad
+    if zero.any():
+        ax.scatter(
+            np.full(int(zero.sum()), 0.01),
+            y[zero],
+            marker="o",
+            s=15,
+            c="dimgray",
+            transform=edge_tf,
+            zorder=4,
+        )
+
+    lo_exp, hi_exp = math.ceil(math.log2(left)), math.floor(math.log2(right))
+    ax.set_xticks([2.0**e for e in _log2_ticks(lo_exp, hi_exp)])
+    ax.xaxis.set_major_formatter(_pow2_formatter())
+    ax.xaxis.set_minor_locator(NullLocator())
+
+    fontsize = 8.0 if n <= 40 else 6.0
+    bad_rows = np.nonzero(bad)[0].tolist()
+    shown = _spaced_labels(n, _label_slots(fig, ax, fontsize), first=bad_rows[:1], extra=bad_rows[1:])
+    labels = [f"{_module_label(str(table.index[i]))} ({table['module_type'].iloc[i]})" for i in shown]
+    ax.set_yticks(shown, labels, fontsize=fontsize)
+    for tick_label, i in zip(ax.get_yticklabels(), shown, strict=True):
+        if bad[i]:
+            tick_label.set_color("red")
+    ax.set_ylim(n - 0.5, -0.5)
+    ax.set_xlabel(
+        f"|x| (log2 axis): bar from smallest non-zero |x| to largest finite |x|; bands of {limits.name}"
+    )
+    n_bad_modules = int(bad.sum())
+    ax.set_title(
+        f"Value range per module at step {step}, {_phase_label(phase)} "
+        f"({n} modules, {n_bad_modules} with NaN/inf)",
+        fontsize=10,
+        loc="left",
+        pad=18,
+    )
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# overview
+# --------------------------------------------------------------------------------------------
+
+
+def overview(
+    records: pd.DataFrame,
+    steps: pd.DataFrame,
+    *,
+    value: HeatmapValue = "headroom",
+    phase: str | Sequence[str] | None = "forward",
+    dtype_limit: torch.dtype | str = "float16",
+    max_modules: int | None = 200,
+) -> Figure:
+    """One Figure: :func:`heatmap` on top and :func:`scale_timeline` below, sharing the step axis.
+
+    Units and arguments are those of :func:`heatmap` (headroom in bits against
+    ``torch.finfo(dtype_limit).max``, 65504 for float16) and :func:`scale_timeline`.
+
+    Returns:
+        The combined Figure (e.g. for ``fig.savefig("nantrace.png")``).
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        TypeError: ``records`` or ``steps`` is not a DataFrame, or another argument has the wrong
+            type; the message names it.
+        ValueError: as for :func:`heatmap` and :func:`scale_timeline`.
+    """
+    kind = _check_value(value)
+    limits = _limits(dtype_limit)
+    cap = _check_max_modules(max_modules)
+    _parse_phase(phase)
+    frame = _check_frame(records, "records", _GRID_COLUMNS)
+    step_frame = _check_frame(steps, "steps", _STEP_COLUMNS)
+    _import_matplotlib()
+    from matplotlib.figure import Figure
+
+    n_modules = frame["module"].nunique()
+    rows = min(n_modules, cap) if cap is not None else n_modules
+    heat_h = float(np.clip(2.2 + 0.16 * rows, 3.5, 10.0))
+    fig = Figure(figsize=(13.0, heat_h + 3.2), layout="constrained")
+    heat_ax, time_ax = fig.subplots(2, 1, sharex=True, height_ratios=[heat_h, 3.0])
+    mesh, levels, extend = _draw_heatmap(fig, heat_ax, frame, kind, phase, limits, cap)
+    label = "headroom [bits]" if kind == "headroom" else "log2(max |x|)"
+    _add_colorbar(fig, heat_ax, mesh, levels, extend, label)
+    _draw_scale_timeline(time_ax, step_frame)
+    heat_ax.set_xlabel("")
+    heat_ax.tick_params(axis="x", labelbottom=True)
+    return fig
