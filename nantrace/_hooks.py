@@ -143,7 +143,7 @@ class Recorder:
         self.seq = 0
         self.event = 0
         self.root_depth = 0
-        self.stack: list[tuple[int, int, frozenset[str] | None]] = []
+        self.stack: list[tuple[int, int, frozenset[str] | None, tuple[int, ...]]] = []
         self.calls: dict[int, int] = {}
         self.cache: dict[int, tuple[weakref.ref[torch.Tensor], int, Any, int]] = {}
         self.pending = PendingStep()
@@ -187,12 +187,10 @@ class Recorder:
             return
         store = self.store
         stats, event = self.stat(t)
-        if self.micro < 0:
-            self.micro = 0
         self.seq += 1
         meta = (
             self.step,
-            self.micro if micro is None else micro,
+            max(self.micro, 0) if micro is None else micro,
             self.seq,
             PHASE_CODE[phase],
             mcode,
@@ -250,25 +248,25 @@ class Recorder:
         mcode: int,
         call: int,
     ) -> None:
-        """Re-run ``module.forward`` on the same inputs, with recording off, no autograd, the CPU RNG state
-        forked and buffers restored, to find the first torch op that made a new non-finite kind.
+        """Re-run ``module`` on copies of the same inputs and of its buffers (``torch.func.functional_call``),
+        with recording off, no autograd and the CPU RNG state forked, to find the first torch op that made a new
+        non-finite kind. The user's tensors, buffers and RNG state are not touched.
 
         Only used on the host path (CPU tensors), only for the call where a kind first appears in a
         micro-step. Best effort: any error during the replay is swallowed and nothing is recorded.
         """
-        buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
         mode = FirstNonfinite(known)
         self.active = False
         try:
-            with torch.random.fork_rng(devices=[]), torch.no_grad(), mode:
-                module.forward(*args, **kwargs)
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                args_c, kwargs_c = _clone_tree(args), _clone_tree(kwargs)
+                with mode:
+                    torch.func.functional_call(module, buffers, tuple(args_c), dict(kwargs_c), strict=False)
         except Exception:
             pass
         finally:
             self.active = True
-            with torch.no_grad():
-                for b, v in buffers:
-                    b.copy_(v)
         if mode.found is not None:
             op, kind = mode.found
             self.store.ops.append((self.step, max(self.micro, 0), mcode, call, op, kind))
@@ -277,7 +275,7 @@ class Recorder:
     def grad_hook(
         self, phase: str, mcode: int, tcode: int, call: int, path: str, parent: int
     ) -> Callable[[torch.Tensor], None]:
-        micro = self.micro
+        micro = max(self.micro, 0)
 
         def hook(grad: torch.Tensor) -> None:
             if self.active:
@@ -343,7 +341,8 @@ class Recorder:
             if in_kinds:
                 self.seen_kinds |= in_kinds
             self.watch_grads("backward", mcode, tcode, call, _rename(items, "grad_input"), parent)
-            self.stack.append((mcode, call, in_kinds))
+            versions = tuple(_version(t) for _, t in items) if in_kinds is not None and self.drill else ()
+            self.stack.append((mcode, call, in_kinds, versions))
             if is_root:
                 self.root_depth += 1
 
@@ -352,10 +351,11 @@ class Recorder:
                 return
             call = -1
             in_kinds: frozenset[str] | None = None
+            versions: tuple[int, ...] = ()
             while self.stack:
-                m, c, k = self.stack.pop()
+                m, c, k, v = self.stack.pop()
                 if m == mcode:
-                    call, in_kinds = c, k
+                    call, in_kinds, versions = c, k, v
                     break
             if is_root:
                 self.root_depth = max(0, self.root_depth - 1)
@@ -370,13 +370,30 @@ class Recorder:
                     self.add("forward", mcode, tcode, call, path, t, is_grad=False, parent=parent)
                     out_kinds = _union(out_kinds, self.last_kinds)
                 if out_kinds and in_kinds is not None and self.drill and not out_kinds <= self.seen_kinds:
-                    self.replay(module, args, kwargs, in_kinds, mcode, call)
+                    now = tuple(_version(t) for _, t in [*flatten(args, "i"), *flatten(kwargs, "i")])
+                    if now == versions:  # inputs not modified in place by the call: a faithful replay
+                        self.replay(module, args, kwargs, in_kinds, mcode, call)
                 if out_kinds:
                     self.seen_kinds |= out_kinds
             phase = "loss" if is_root and self.root_depth == 0 else "backward"
             self.watch_grads(phase, mcode, tcode, call, _rename(items, "grad_output"), parent)
 
         return pre, post
+
+
+def _clone_tree(obj: Any, depth: int = 0) -> Any:
+    """A copy of ``obj`` with every tensor in tuples/lists/dicts cloned (for a side-effect-free replay)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if depth >= _MAX_DEPTH:
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_clone_tree(v, depth + 1) for v in obj)
+    if isinstance(obj, list):
+        return [_clone_tree(v, depth + 1) for v in obj]
+    if type(obj) is dict:
+        return {k: _clone_tree(v, depth + 1) for k, v in obj.items()}
+    return obj
 
 
 def _union(a: frozenset[str] | None, b: frozenset[str] | None) -> frozenset[str] | None:

@@ -257,6 +257,47 @@ class Store:
         self._records = None
         self._steps = None
 
+    def merge_leading_steps(self, count: int) -> None:
+        """Fold steps ``0 .. count-1`` (one root forward each) into step 0 with micro-steps ``0 .. count-1``.
+
+        Used once, when a loop without scaler or optimizer first calls ``Trace.step()``: the forwards before it
+        were provisionally counted as steps of their own, and all belong to the first step.
+        """
+        if count <= 1:
+            return
+        seq_offset = 0
+        micro_offset = 0
+        offsets: dict[int, int] = {}
+        for chunk in self.chunks:
+            step = chunk["step"]
+            if len(step) == 0 or int(step[0]) >= count:
+                continue
+            offsets[int(step[0])] = micro_offset
+            chunk["micro_step"] = (chunk["micro_step"] + micro_offset).astype(np.int32)
+            chunk["seq"] = (chunk["seq"] + seq_offset).astype(np.int32)
+            chunk["step"] = np.zeros_like(step)
+            micro_offset = int(chunk["micro_step"].max()) + 1
+            seq_offset = int(chunk["seq"].max())
+        rows = self.step_rows[:count]
+        losses = [r["loss"] for r in rows if not math.isnan(r["loss"])]
+        norms = [r["grad_norm"] for r in rows if not math.isnan(r["grad_norm"])]
+        merged = dict(rows[-1])
+        merged.update(
+            step=0,
+            loss=float(np.mean(losses)) if losses else math.nan,
+            grad_norm=norms[-1] if norms else math.nan,
+            n_nonfinite=sum(r["n_nonfinite"] for r in rows),
+            micro_steps=sum(max(r["micro_steps"], 1) for r in rows),
+            n_records=sum(r["n_records"] for r in rows),
+        )
+        self.step_rows[:count] = [merged]
+        self.ops = [
+            (0, m + offsets.get(s, 0), c, call, op, k) if s < count else (s, m, c, call, op, k)
+            for s, m, c, call, op, k in self.ops
+        ]
+        self._records = None
+        self._steps = None
+
     def _columns(self, m: np.ndarray, mat: np.ndarray, scale: float) -> dict[str, np.ndarray]:
         col = {name: m[:, i] for i, name in enumerate(_META)}
         out: dict[str, np.ndarray] = {

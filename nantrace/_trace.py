@@ -307,7 +307,9 @@ class Trace:
             if not rec.active or g is None or not g.is_floating_point() or g.is_sparse:
                 return
             rec.add("backward", mcode, tcode, 0, path, g, is_grad=True, parent=-1)
-            rec.pending.grad_norms[index] = torch.linalg.vector_norm(g.detach(), dtype=torch.float32)
+            g = g.detach()
+            wide = g if g.dtype in (torch.float32, torch.float64) else g.float()
+            rec.pending.grad_norms[index] = torch.linalg.vector_norm(wide)
 
         return hook
 
@@ -435,8 +437,13 @@ class Trace:
         if loss is not None:
             self._record_loss(loss)
         if self._scaler is None and self._optimizer is None:
-            self._manual_steps = True
             self._end_step()
+            if not self._manual_steps:
+                # the root forwards so far were provisionally steps of their own: they form step 0
+                self._manual_steps = True
+                count = self._rec.step
+                self._store.merge_leading_steps(count)
+                self._rec.step = min(count, 1)
 
     @property
     def records(self) -> pd.DataFrame:

@@ -330,7 +330,9 @@ def _bf16_note(tr: Any) -> None:
         print(
             f"{len(over)} module(s) of this run exceeded float16's 65504 and would have overflowed in float16:"
         )
-        for module, mtype, absmax in over.head(8)[["module", "module_type", "absmax"]].itertuples(index=False):
+        for module, mtype, absmax in over.head(8)[["module", "module_type", "absmax"]].itertuples(
+            index=False
+        ):
             print(f"  {str(module) or '(root)'} ({mtype}): absmax {float(absmax):.4g}")
     else:
         print("In this run every value stayed below 65504 as well.")
