@@ -5,9 +5,11 @@ the range and inf/NaN counts of every activation and gradient; ``tr.first_overfl
 and step that produced the first non-finite value.
 """
 
+from ._compare import Comparison, compare
+from ._diagnose import Diagnosis
 from ._io import load
 from ._locate import Overflow
 from ._trace import NantraceError, Trace, trace
 
-__all__ = ["NantraceError", "Overflow", "Trace", "load", "trace"]
+__all__ = ["Comparison", "Diagnosis", "NantraceError", "Overflow", "Trace", "compare", "load", "trace"]
 __version__ = "0.1.0"

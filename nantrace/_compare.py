@@ -47,7 +47,7 @@ _PHASE_RANK = {"data": 0, "forward": 1, "loss": 2, "backward": 3, "optimizer": 4
 DEFAULT_RTOL = 0.1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Comparison:
     """The result of :func:`compare`.
 

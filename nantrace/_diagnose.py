@@ -2,52 +2,59 @@
 
 :func:`diagnose` returns a :class:`Diagnosis` whose ``cause`` is exactly one of :data:`CAUSES`.
 :func:`fp16_readiness` lists, from an fp32 or bf16 run, the modules whose values would not fit float16.
+:func:`update_ratios` gives the per-step update-to-weight ratio of each parameter.
 
-How a cause is decided (all thresholds are the module constants below)
----------------------------------------------------------------------
+How a cause is decided (the thresholds are the module constants below)
+----------------------------------------------------------------------
 The locator gives, for every step that saw a non-finite value, that step's first producer (an *event*,
-:meth:`Trace.overflows`). Events are read in time order.
+``Trace.overflows()``). Events are read in time order; the first one that is not a benign scaler backoff decides.
 
-*Scale-dependent* events are the ones a GradScaler exists to absorb: the step was ``skipped`` by the scaler
-and the event is in ``backward``, or in ``loss`` on the gradient arriving at the model's outputs while the loss
-value itself was finite. Every other event is a *fault* and is classified on the spot:
+An event is *scale-dependent* (the kind a GradScaler exists to absorb) when the scaler skipped its step and it is
+in ``backward``, or in ``loss`` on the gradient arriving at the model's outputs while the loss value itself was
+finite. Every other event is a *fault*, classified on the spot:
 
-* ``data``: the event's phase is ``data`` (NaN/+inf, or a non-mask -inf, in the model inputs).
-* ``divergence`` (checked before the phase rules below): at least :data:`DIVERGENCE_MIN_STEPS` earlier steps
-  were recorded, and over the last :data:`DIVERGENCE_WINDOW` of them the forward output absmax (of the
-  producer module when it is a forward producer, else of the whole model) grew at least
-  :data:`DIVERGENCE_GROWTH` times, rising in at least :data:`DIVERGENCE_RISING` of the step-to-step changes;
-  and the training signals agree: when the loss is recorded it rose at least :data:`DIVERGENCE_LOSS_GROWTH`
-  times (rising in at least half of the changes), and when parameters are recorded the median update-to-weight
-  ratio was at least :data:`DIVERGENCE_UPDATE_RATIO` or the weights' absmax grew at least
-  :data:`DIVERGENCE_WEIGHT_GROWTH` times (one of loss or parameters must be recorded).
-* ``loss``: phase ``loss`` (outputs finite, the loss or the gradient it sends back is not).
-* ``forward_overflow``: phase ``forward``, kind inf. ``invalid_op``: phase ``forward`` or ``backward``, kind NaN.
-* ``backward_overflow``: phase ``backward``, kind inf, not absorbed by a scaler (no scaler, or not skipped).
+* ``data``: phase ``data`` (NaN/+inf, or a -inf that is not an attention mask, in the model inputs).
+* ``divergence`` (checked before the phase rules below; needs history, so a step-0 fault never is one): at least
+  :data:`DIVERGENCE_MIN_STEPS` earlier steps were recorded, and over the last :data:`DIVERGENCE_WINDOW` of them
+  the forward output absmax (of the producer module for a forward event, else of the whole model) grew at least
+  :data:`DIVERGENCE_GROWTH` times, rising in at least :data:`DIVERGENCE_RISING` of the step-to-step changes; and
+  the training signals agree: when the loss is recorded it rose at least :data:`DIVERGENCE_LOSS_GROWTH` times
+  (rising in at least half of the changes), and when parameters are recorded the median update-to-weight ratio
+  was at least :data:`DIVERGENCE_UPDATE_RATIO` (10x the healthy 1e-3) or the weights' absmax grew at least
+  :data:`DIVERGENCE_WEIGHT_GROWTH` times. At least one of loss or parameters must be recorded. Steps right after
+  a skipped step are left out of these series (their weights did not change).
+* ``loss``: phase ``loss`` (outputs finite; the loss, or the gradient it sends back, is not).
+* ``forward_overflow``: phase ``forward`` and kind inf; or kind NaN made from inputs beyond the output dtype's
+  range (autocast casting a float32 value above 65504 to float16).
+* ``invalid_op``: kind NaN in ``forward`` (from inputs holding no NaN) or in ``backward`` (from finite gradients).
+* ``backward_overflow``: phase ``backward``, kind inf, not absorbed by a GradScaler (no scaler, or not skipped).
 * ``optimizer``: phase ``optimizer`` (finite gradients, non-finite parameters after ``optimizer.step()``).
 
 A scale-dependent event belongs to a *run* of consecutive skipped steps. The run is a *collapse* when it is at
-least :data:`COLLAPSE_RUN` steps long, or the scale falls below 1, or from its start on at least
-:data:`COLLAPSE_RUN` steps and at least half of all steps are skipped. A collapse whose events are mostly NaN
-is ``invalid_op`` (NaN does not go away with a lower scale); otherwise ``divergence`` if the divergence rule
-holds, else ``loss_scale_collapse``. A NaN run that never resumed is ``invalid_op``. Any other run (short,
-and followed by a step the scaler did not skip, or still short when the trace ends) is benign backoff and the
-search goes on.
+least :data:`COLLAPSE_RUN` steps long (the scale fell 256x in a row), or the loss scale falls below 1, or at least
+half the steps from its start on are skipped and either :data:`COLLAPSE_RUN` of them are or the skips come back
+in at least :data:`COLLAPSE_RECURRING` separate runs while the scale fell at least 2**(COLLAPSE_RECURRING - 1)
+times (the scale keeps falling; a scaler that grows and backs off in turn does not). For a collapse, or a run the trace ends in: mostly-NaN events are
+``invalid_op`` (NaN does not go away with a lower scale); a collapse is ``divergence`` when the divergence rule
+holds over the steps up to its last event, else ``loss_scale_collapse`` (its ``overflow`` is the run's last
+event: what still overflowed at the lowest scale). Any other run is a benign backoff and the search goes on.
 
 When no fault was found: ``loss_scale_collapse`` for a collapse seen only in ``steps`` (backward not recorded);
-``gradient_underflow`` when the run has float16 gradients and at least :data:`UNDERFLOW_FRACTION` of the
-parameter-gradient tensors (embeddings excepted) are flushed: at least :data:`UNDERFLOW_ZERO_FRACTION` of their
-elements are zero, or their largest ``|g|`` is below float16's smallest normal 2⁻¹⁴ (as recorded, i.e. times
-the loss scale); ``divergence`` (not yet overflowed) when the output absmax grew at least
+``gradient_underflow`` when the run computed in float16 and at least :data:`UNDERFLOW_FRACTION` of the
+parameter-gradient tensors (embeddings excepted; every step) are flushed: their largest ``|g|`` (as recorded,
+i.e. times the loss scale) is below float16's smallest normal 2⁻¹⁴, or below :data:`UNDERFLOW_SMALL_ABSMAX` with
+at least :data:`UNDERFLOW_ZERO_FRACTION` of the elements exactly 0 (zeros alone are not enough: a ReLU's dead
+units give exact zeros at any scale); ``divergence`` when benign backoffs were seen and the divergence rule
+holds up to the last of them; ``divergence`` with no overflow yet when the output absmax grew at least
 :data:`QUIET_DIVERGENCE_GROWTH` times, the loss at least :data:`QUIET_DIVERGENCE_LOSS_GROWTH` times and the
-update ratio was at least :data:`DIVERGENCE_UPDATE_RATIO`; ``scaler_backoff`` when benign backoff was seen;
-else ``healthy``.
+update ratio or weights agree; ``scaler_backoff`` when benign backoffs were seen; else ``healthy``.
 
 Update-to-weight ratio
 ----------------------
 Estimated from consecutive ``optimizer``-phase rows of the same parameter: ``|absmax_t - absmax_{t-1}| /
-absmax_{t-1}`` (:func:`update_ratios`). It is a lower bound on ``max|Δw| / max|w|``; healthy training is about
-1e-3. Parameters are recorded only when ``optimizer=`` is given to ``nantrace.trace``.
+absmax_{t-1}`` (:func:`update_ratios`), a lower bound on ``max|Δw| / max|w|``; healthy training is about 1e-3.
+Parameters are recorded only when ``optimizer=`` is given to ``nantrace.trace``. ``lr`` and ``grad_norm`` from
+``steps`` are reported alongside as evidence.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CAUSES",
+    "COLLAPSE_RECURRING",
     "COLLAPSE_RUN",
     "DIVERGENCE_GROWTH",
     "DIVERGENCE_LOSS_GROWTH",
@@ -85,6 +93,7 @@ __all__ = [
     "QUIET_DIVERGENCE_LOSS_GROWTH",
     "READINESS_COLUMNS",
     "UNDERFLOW_FRACTION",
+    "UNDERFLOW_SMALL_ABSMAX",
     "UNDERFLOW_ZERO_FRACTION",
     "Diagnosis",
     "diagnose",
@@ -121,7 +130,13 @@ DIVERGENCE_WEIGHT_GROWTH = 2.0  # weight absmax growth over the window
 QUIET_DIVERGENCE_GROWTH = 100.0  # output absmax growth for a divergence that has not overflowed yet
 QUIET_DIVERGENCE_LOSS_GROWTH = 10.0  # loss growth for a divergence that has not overflowed yet
 COLLAPSE_RUN = 8  # consecutive skipped steps (scale fell 2**8 = 256x in a row) that are not a benign backoff
-UNDERFLOW_ZERO_FRACTION = 0.5  # a gradient tensor with at least this fraction of zeros is "flushed"
+COLLAPSE_RECURRING = (
+    3  # separate runs of skips that, with half the steps skipped, mean the scale keeps falling
+)
+UNDERFLOW_ZERO_FRACTION = (
+    0.5  # with a small absmax (below), this fraction of zeros makes a gradient "flushed"
+)
+UNDERFLOW_SMALL_ABSMAX = 2.0**-10  # 9.8e-4: a gradient whose largest |g| is this small has its bulk subnormal
 UNDERFLOW_FRACTION = 0.5  # fraction of flushed parameter-gradient tensors that makes gradient_underflow
 
 READINESS_COLUMNS: tuple[str, ...] = (
@@ -155,6 +170,12 @@ class Diagnosis:
         evidence: short sentences holding the numbers the cause was decided on.
         advice: concrete fixes for this case, naming the module, the dtype and the numbers.
         summary: one sentence saying what happened.
+
+    ``str()`` gives the cause, summary, evidence and advice as plain text; ``_repr_html_()`` the same as HTML
+    (every string escaped with ``html.escape``).
+
+    Raises:
+        ValueError: on construction, when ``cause`` is not one of :data:`CAUSES`.
     """
 
     cause: str
@@ -168,8 +189,8 @@ class Diagnosis:
             raise ValueError(f"cause must be one of {CAUSES}; got {self.cause!r}")
 
     @property
-    def healthy(self) -> bool:
-        """True when nothing needs fixing (``cause`` is ``"healthy"`` or the benign ``"scaler_backoff"``)."""
+    def ok(self) -> bool:
+        """True when nothing needs fixing: ``cause`` is ``"healthy"`` or the benign ``"scaler_backoff"``."""
         return self.cause in ("healthy", "scaler_backoff")
 
     def __str__(self) -> str:
@@ -324,9 +345,6 @@ class _Run:
             self._starts[prefix] = hit
         return hit
 
-    def rows(self, mask: np.ndarray) -> pd.DataFrame:
-        return self.records[mask]
-
     def has_scaler(self) -> bool:
         return any(v is not None for v in self.skipped.values()) or any(
             not math.isnan(v) for v in self.scale.values()
@@ -360,7 +378,20 @@ class _Run:
             return True
         later = [s for s in self.step_ids if s >= run[0]]
         n_skip = sum(1 for s in later if self.skipped.get(s) is True)
-        return n_skip >= COLLAPSE_RUN and 2 * n_skip >= len(later)
+        if 2 * n_skip < len(later):
+            return False
+        if n_skip >= COLLAPSE_RUN:
+            return True
+        n_runs = len({self._runs[s][0] for s in later if s in self._runs})
+        first, last = self.scale_range(later)
+        fell = not (math.isnan(first) or math.isnan(last)) and last <= first / 2 ** (COLLAPSE_RECURRING - 1)
+        return n_runs >= COLLAPSE_RECURRING and fell
+
+    def fresh_steps(self) -> set[int]:
+        """Steps whose weights differ from the step before: the first step, and every step after one the scaler
+        did not skip (a skipped step leaves the weights, hence the next step's activations, unchanged)."""
+        ids = self.step_ids
+        return {s for i, s in enumerate(ids) if i == 0 or self.skipped.get(ids[i - 1]) is not True}
 
     def loss_finite(self, step: int) -> bool:
         if step in self._loss_seen:
@@ -546,17 +577,20 @@ def _divergence(
     quiet: bool = False,
 ) -> _Divergence:
     """The divergence rule (module docstring) over the steps before ``before``."""
+    fresh = run.fresh_steps()
     act = run.output_series(module, before)
+    act = act[act.index.isin(fresh)]
     who = _name(module) + " output" if module is not None else "forward output"
     if module is not None and len(act) < DIVERGENCE_MIN_STEPS:
         act, who = run.output_series(None, before), "forward output"
+        act = act[act.index.isin(fresh)]
     if len(act) < DIVERGENCE_MIN_STEPS:
         return _Divergence(False, [])
     window = act.tail(DIVERGENCE_WINDOW)
     t = _trend(window)
     if not (t.growth >= growth_needed and t.rising >= DIVERGENCE_RISING):
         return _Divergence(False, [])
-    steps = [s for s in run.step_ids if t.first_step <= s <= t.last_step]
+    steps = [s for s in run.step_ids if t.first_step <= s <= t.last_step and s in fresh]
     loss = pd.Series({s: run.loss.get(s, math.nan) for s in steps}, dtype=np.float64)
     loss = loss[np.isfinite(loss.to_numpy()) & (loss.to_numpy() > 0)]
     lt = _trend(loss) if len(loss) >= DIVERGENCE_MIN_STEPS else None
@@ -595,7 +629,7 @@ def _divergence(
     lr = lrs[-1] if lrs else math.nan
     if not math.isnan(lr):
         gn = [run.grad_norm.get(s, math.nan) for s in steps]
-        gn = [v for v in gn if not math.isnan(v)]
+        gn = [v for v in gn if math.isfinite(v)]
         ev.append(f"learning rate {_g(lr)}" + (f", gradient norm {_g(gn[0])} → {_g(gn[-1])}" if gn else ""))
     return _Divergence(True, ev, lr, ratio)
 
@@ -1006,9 +1040,11 @@ def _divergence_diagnosis(run: _Run, ev: Overflow | None, div: _Divergence) -> D
     if ev is None:
         summary = "Activations, loss and weights grow step over step: the run is diverging (no overflow yet)."
     else:
+        where = {"forward": "the forward of", "backward": "the backward of", "optimizer": "the update of"}
+        what = "the loss" if ev.phase == "loss" else f"{where.get(ev.phase, '')} {_name(ev.module)}".strip()
         summary = (
-            f"The run diverged: activations and weights grew step over step until {_name(ev.module)} overflowed "
-            f"at step {ev.step}; the learning rate is too high."
+            f"The run diverged: activations and weights grew step over step until {what} overflowed at step "
+            f"{ev.step}; the learning rate is too high."
         )
     return Diagnosis("divergence", ev, evidence, advice, summary)
 
@@ -1146,8 +1182,12 @@ def _underflow(run: _Run) -> Diagnosis | None:
     zeros = g["n_zero"].to_numpy(dtype=np.float64)
     absmax = g["absmax"].to_numpy(dtype=np.float64)
     zero_frac = zeros / np.maximum(numel, 1)
-    tiny = np.nan_to_num(absmax, nan=0.0) < FP16_SMALLEST_NORMAL
-    flushed = (zero_frac >= UNDERFLOW_ZERO_FRACTION) | tiny
+    amax = np.nan_to_num(absmax, nan=0.0)
+    # Zeros alone prove nothing (a ReLU's dead units give exact zeros at any scale); zeros are flushed values
+    # only when the tensor's largest value is itself close to float16's subnormal range.
+    flushed = (amax < FP16_SMALLEST_NORMAL) | (
+        (zero_frac >= UNDERFLOW_ZERO_FRACTION) & (amax < UNDERFLOW_SMALL_ABSMAX)
+    )
     frac = float(flushed.mean())
     if frac < UNDERFLOW_FRACTION:
         return None
@@ -1164,8 +1204,9 @@ def _underflow(run: _Run) -> Diagnosis | None:
     )
     evidence = [
         f"{frac:.0%} of the parameter-gradient tensors ({int(flushed.sum())} of {len(flushed)} over "
-        f"{len(set(g['step'].tolist()))} steps) were flushed: ≥{UNDERFLOW_ZERO_FRACTION:.0%} zeros, or largest "
-        f"|g| below float16's smallest normal {_g(FP16_SMALLEST_NORMAL)}",
+        f"{len(set(g['step'].tolist()))} steps) were flushed: largest |g| below float16's smallest normal "
+        f"{_g(FP16_SMALLEST_NORMAL)} (every value subnormal or 0), or below {_g(UNDERFLOW_SMALL_ABSMAX)} with "
+        f"≥{UNDERFLOW_ZERO_FRACTION:.0%} zeros",
         f"overall {zeros.sum() / max(numel.sum(), 1):.0%} of parameter-gradient elements were exactly 0",
         scale_text,
     ]
@@ -1211,9 +1252,13 @@ def _healthy(run: _Run) -> Diagnosis:
             f"least float16 headroom: {_name(str(r['module']))} ({r['module_type']}), absmax {_g(float(r['absmax']))}, "
             f"{float(r['headroom_bits']):+.1f} bits below 65504"
         )
-    ratios = _ratio_per_step(run.records)
-    if len(ratios):
-        evidence.append(f"median update-to-weight ratio {_g(float(ratios.median()))}")
+    ur = update_ratios(run.records)["ratio"].to_numpy(dtype=np.float64)
+    ur = ur[np.isfinite(ur)]
+    if ur.size:
+        evidence.append(
+            f"update-to-weight ratio (change of a parameter's absmax per step): median {_g(float(np.median(ur)))}, "
+            f"max {_g(float(ur.max()))}"
+        )
     return Diagnosis(
         "healthy",
         None,
@@ -1253,7 +1298,8 @@ def _judge_skip_run(run: _Run, skip_run: list[int], in_run: list[Overflow]) -> D
         return _invalid_op(run, nans[0])
     if not collapse:
         return None  # short and at the end of the trace: a backoff still in progress
-    div = _divergence(run, in_run[0].step, None)
+    last = max(e.step for e in run.events if run.scale_dependent(e))
+    div = _divergence(run, last + 1, None)
     if div.found:
         return _divergence_diagnosis(run, in_run[0], div)
     return _collapse(run, in_run[-1], skip_run)
@@ -1307,6 +1353,10 @@ def diagnose(trace: Trace) -> Diagnosis:
     under = _underflow(run)
     if under is not None:
         return under
+    if benign:
+        div = _divergence(run, benign[-1].step + 1, None)
+        if div.found:  # backoffs that keep coming back while everything grows
+            return _divergence_diagnosis(run, benign[0], div)
     last = run.step_ids[-1] + 1 if run.step_ids else 0
     quiet = _divergence(
         run,

@@ -122,6 +122,18 @@ class FirstNonfinite(TorchFunctionMode):
         return out
 
 
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward pass (a checkpoint's recomputed forward runs there)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Keep ``torch.compile`` from tracing into a hook: it runs eagerly, as a graph break."""
+    disable = getattr(torch.compiler, "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
 def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
@@ -281,7 +293,7 @@ class Recorder:
             if self.active:
                 self.add(phase, mcode, tcode, call, path, grad, is_grad=True, parent=parent, micro=micro)
 
-        return hook
+        return eager(hook)
 
     def watch_grads(
         self,
@@ -307,7 +319,7 @@ class Recorder:
         phases = self.phases
 
         def pre(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if not self.active:
+            if not self.active or in_backward():  # activation checkpointing recomputes forwards in backward
                 return
             if is_root and self.root_depth == 0:
                 if step_each_forward() and self.step_open():
@@ -347,7 +359,7 @@ class Recorder:
                 self.root_depth += 1
 
         def post(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if not self.active:
+            if not self.active or in_backward():
                 return
             call = -1
             in_kinds: frozenset[str] | None = None
@@ -378,7 +390,7 @@ class Recorder:
             phase = "loss" if is_root and self.root_depth == 0 else "backward"
             self.watch_grads(phase, mcode, tcode, call, _rename(items, "grad_output"), parent)
 
-        return pre, post
+        return eager(pre), eager(post)
 
 
 def _clone_tree(obj: Any, depth: int = 0) -> Any:

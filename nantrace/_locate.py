@@ -173,10 +173,12 @@ def _first_in_step(
             )[0]
             if len(hit):
                 extra.setdefault(int(hit[0]), (str(op.kind), str(op.op)))
+    seen: set[str] = set()  # -inf of an attention mask: passing it on is not producing it
     for i in range(len(df)):
         kinds = [k for k in wanted if has[k][i]]
         if mask[i]:
-            kinds = [k for k in kinds if k != "neginf"]
+            seen.add("neginf")
+        kinds = [k for k in kinds if k not in seen]
         if i in extra:
             return df.iloc[i], extra[i][0], extra[i][1]
         if kinds:

@@ -10,7 +10,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -18,9 +18,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._hooks import Recorder
+from ._hooks import Recorder, eager
 from ._locate import Overflow, locate, mask_rows, overflows
 from ._store import PHASES, Store
+
+if TYPE_CHECKING:
+    from ._diagnose import Diagnosis
 
 __all__ = ["NantraceError", "Trace", "trace"]
 
@@ -79,23 +82,32 @@ def module_names(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _compile_filter(modules: ModuleFilter | None) -> Callable[[str, nn.Module], bool]:
     if modules is None:
         return lambda name, m: True
-    items = [modules] if isinstance(modules, (str, type)) or callable(modules) else list(modules)
+    single = isinstance(modules, (str, type, nn.Module)) or callable(modules)
+    if not single and not isinstance(modules, (list, tuple, set, frozenset)):
+        raise TypeError(
+            f"modules= must be a name glob (str), an nn.Module subclass or instance, a callable "
+            f"(name, module) -> bool, or a list of these; got {type(modules).__name__}: {modules!r:.80}"
+        )
+    items: list[Any] = [modules] if single else list(modules)  # type: ignore[arg-type]
     if not items:
         raise ValueError(
             "modules= is an empty collection; pass None to trace every module, or names/globs/types"
         )
     for it in items:
-        ok = isinstance(it, str) or (isinstance(it, type) and issubclass(it, nn.Module))
+        ok = isinstance(it, (str, nn.Module)) or (isinstance(it, type) and issubclass(it, nn.Module))
         if not ok and (isinstance(it, type) or not callable(it)):
             raise TypeError(
-                "modules= items must be name globs (str), nn.Module subclasses or callables "
-                f"(name, module) -> bool; got {it!r} of type {type(it).__name__}"
+                "modules= items must be name globs (str), nn.Module subclasses or instances, or callables "
+                f"(name, module) -> bool; got {it!r:.80} of type {type(it).__name__}"
             )
 
     def keep(name: str, m: nn.Module) -> bool:
         for it in items:
             if isinstance(it, str):
                 if fnmatch.fnmatchcase(name, it):
+                    return True
+            elif isinstance(it, nn.Module):
+                if m is it:
                     return True
             elif isinstance(it, type):
                 if isinstance(m, it):
@@ -140,6 +152,7 @@ class Trace:
         modules: ModuleFilter | None = None,
         phases: Iterable[str] | None = None,
         sync_free: bool | None = None,
+        drill: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}: {model!r:.80}")
@@ -158,10 +171,23 @@ class Trace:
         else:
             if isinstance(phases, str):
                 phases = [phases]
+            if not isinstance(phases, (list, tuple, set, frozenset)):
+                raise TypeError(
+                    f"phases= must be a phase name or a list of them, from {list(PHASES)}; got {phases!r}"
+                )
             phase_set = frozenset(phases)
-            unknown = sorted(phase_set - set(PHASES))
+            unknown = sorted(repr(p) for p in phase_set - set(PHASES))
             if unknown:
-                raise ValueError(f"phases= has unknown phase(s) {unknown}; choose from {list(PHASES)}")
+                raise ValueError(
+                    f"phases= has unknown phase(s) {', '.join(unknown)}; choose from {list(PHASES)}"
+                )
+            if not phase_set:
+                raise ValueError(
+                    "phases= is empty, so nothing would be recorded; pass None to record every phase, "
+                    f"or some of {list(PHASES)}"
+                )
+        if not isinstance(drill, bool):
+            raise TypeError(f"drill must be True or False; got {drill!r}")
         if sync_free is not None and not isinstance(sync_free, bool):
             raise TypeError(f"sync_free must be True, False or None; got {sync_free!r}")
         keep = _compile_filter(modules)
@@ -179,7 +205,7 @@ class Trace:
         self._scaler = scaler
         self._optimizer = optimizer
         self._store = Store()
-        self._rec = Recorder(self._store, sync_free=bool(sync_free), record_phases=phase_set)
+        self._rec = Recorder(self._store, sync_free=bool(sync_free), record_phases=phase_set, drill=drill)
         self._handles: list[RemovableHandle] = []
         self._patched: list[tuple[object, str, bool, Any]] = []
         self._entered = False
@@ -191,6 +217,7 @@ class Trace:
             "modules": None if modules is None else repr(modules),
             "phases": sorted(phase_set, key=PHASES.index),
             "sync_free": sync_free,
+            "drill": drill,
             "scaler": type(scaler).__name__ if scaler is not None else None,
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
         }
@@ -311,7 +338,7 @@ class Trace:
             wide = g if g.dtype in (torch.float32, torch.float64) else g.float()
             rec.pending.grad_norms[index] = torch.linalg.vector_norm(wide)
 
-        return hook
+        return eager(hook)
 
     def _optimizer_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         rec = self._rec
@@ -479,9 +506,29 @@ class Trace:
         plus ``message``). Scaler backoffs show as a few isolated steps; a persistent fault as a run of them."""
         return overflows(self.records, kind, self.steps, self.ops)
 
+    def diagnose(self) -> Diagnosis:
+        """Why the run went non-finite, and what to do: a :class:`nantrace.Diagnosis` whose ``cause`` is one of
+        ``"data", "forward_overflow", "invalid_op", "loss", "backward_overflow", "scaler_backoff",
+        "loss_scale_collapse", "divergence", "optimizer", "gradient_underflow", "healthy"``, with ``evidence``
+        (strings holding the numbers) and ``advice`` (fixes naming the module, dtype and number)."""
+        from ._diagnose import diagnose
+
+        return diagnose(self)
+
+    def fp16_readiness(self, *, loss_scale: float | None = None) -> pd.DataFrame:
+        """From an fp32 or bf16 run: which modules would overflow in fp16 (absmax above 65504 =
+        torch.finfo(torch.float16).max; ``headroom_bits`` = log2(65504 / absmax)) or lose values to
+        underflow (non-zero |x| below 2**-14, the smallest normal, or 2**-24, the smallest subnormal), worst
+        first. ``loss_scale`` judges gradients as if scaled by it. See ``nantrace._diagnose.fp16_readiness``."""
+        from ._diagnose import fp16_readiness
+
+        return fp16_readiness(self, loss_scale=loss_scale)
+
     def __repr__(self) -> str:
         from ._report import trace_text
 
+        if not hasattr(self, "_store"):
+            return "<nantrace.Trace (not initialised)>"
         return trace_text(self)
 
     def _repr_html_(self) -> str:
@@ -523,6 +570,7 @@ def trace(
     modules: ModuleFilter | None = None,
     phases: Iterable[str] | None = None,
     sync_free: bool | None = None,
+    drill: bool = True,
 ) -> Trace:
     """Record the range and inf/NaN counts of every activation and gradient of ``model``.
 
@@ -544,6 +592,11 @@ def trace(
         sync_free: compute statistics with on-device reductions only, read once per step (the accelerator
             path), also for CPU tensors. Default ``None``: on-device for accelerator tensors, a faster path
             that branches on values for CPU tensors (where reading a value costs no device sync).
+        drill: on the CPU path, when a module call's output first holds a kind of non-finite value (NaN,
+            +inf, -inf) in a micro-step, replay that call once on copies of its inputs and buffers, with
+            autograd off and the RNG state forked, to name the first torch op inside it that made the value
+            (``Trace.ops``). The replay runs the module's Python ``forward`` again, so Python side effects
+            in it (counters, caches) happen twice for that one call; pass ``False`` to turn it off.
 
     Returns:
         the :class:`Trace` (a context manager).
@@ -551,9 +604,16 @@ def trace(
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``scaler`` not a ``GradScaler``, ``optimizer`` not an
             ``Optimizer``, or a ``modules`` item of another type.
-        ValueError: ``modules`` matches no module, or ``phases`` names an unknown phase.
+        ValueError: ``modules`` is empty or matches no module, or ``phases`` is empty or names an unknown
+            phase.
         NantraceError (on enter): the model is already being traced.
     """
     return Trace(
-        model, scaler=scaler, optimizer=optimizer, modules=modules, phases=phases, sync_free=sync_free
+        model,
+        scaler=scaler,
+        optimizer=optimizer,
+        modules=modules,
+        phases=phases,
+        sync_free=sync_free,
+        drill=drill,
     )

@@ -1,0 +1,755 @@
+"""Diagnosis (one exact cause per failure kind), fp16 readiness and run comparison, on tiny CPU models.
+
+Every cause of ``nantrace._diagnose.CAUSES`` has its own tiny case, and the CASES of CASES.md (rebuilt here)
+are diagnosed with the cause they stand for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nantrace
+from nantrace._compare import Comparison, compare
+from nantrace._diagnose import CAUSES, READINESS_COLUMNS, Diagnosis, diagnose, fp16_readiness, update_ratios
+
+Trace = nantrace.Trace
+
+
+def _cause(tr: Trace) -> str:
+    return diagnose(tr).cause
+
+
+def _amp_loop(
+    model: nn.Module,
+    steps: int,
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    lr: float = 1e-3,
+    init_scale: float = 65536.0,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> Trace:
+    """fp32 model, fp16 autocast forward, GradScaler, SGD: the standard AMP loop."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    loss_fn = loss_fn or (lambda out, y: F.mse_loss(out.float(), y))
+    with nantrace.trace(model, scaler=scaler, optimizer=opt) as tr:
+        for step in range(steps):
+            x, y = batch(step)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            scaler.scale(loss_fn(out, y)).backward()
+            scaler.step(opt)
+            scaler.update()
+    return tr
+
+
+# ============================================================================================ CASES.md
+class RMSNorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+
+
+class T5FF(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wi = nn.Linear(16, 64)
+        self.act = nn.ReLU()
+        self.wo = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wo(self.act(self.wi(x)))
+
+
+class C01Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ff = T5FF()
+        self.norm = RMSNorm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.ff(x))
+
+
+def _c01(wo_weight: float = 1.0) -> C01Model:
+    m = C01Model()
+    with torch.no_grad():
+        m.ff.wi.weight.fill_(1 / 16)
+        m.ff.wi.bias.zero_()
+        m.ff.wo.weight.fill_(wo_weight)
+        m.ff.wo.bias.zero_()
+    return m
+
+
+def test_c01_t5_feed_forward_is_forward_overflow_with_specific_advice() -> None:
+    m = _c01().half()
+    with nantrace.trace(m) as tr:
+        m(torch.full((2, 16), 1100.0, dtype=torch.float16))
+    d = diagnose(tr)
+    assert d.cause == "forward_overflow"
+    assert d.overflow is not None and (d.overflow.module, d.overflow.phase) == ("ff.wo", "forward")
+    text = str(d)
+    assert "ff.wo" in text and "float16" in text and "65504" in text and "1100" in text
+    assert any("ff.wo" in a and "float32" in a for a in d.advice)
+    assert any("bfloat16" in a for a in d.advice)
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x)
+
+
+def test_c02_residual_add_is_forward_overflow_in_the_blocks_own_code() -> None:
+    m = nn.Sequential()
+    m.add_module("block", Residual())
+    with torch.no_grad():
+        m.block.fc.weight.copy_(torch.eye(8))
+        m.block.fc.bias.zero_()
+    m = m.half()
+    with nantrace.trace(m) as tr:
+        m(torch.full((2, 8), 40000.0, dtype=torch.float16))
+    d = diagnose(tr)
+    assert d.cause == "forward_overflow"
+    assert d.overflow is not None and d.overflow.module == "block"
+    assert any("own forward" in a and "block" in a for a in d.advice)
+
+
+class HandAttention(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, d, bias=False)
+        self.v = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        if mask is not None:
+            scores = scores + mask
+        e = torch.exp(scores - scores.amax(-1, keepdim=True))
+        return (e / e.sum(-1, keepdim=True)) @ self.v(x)
+
+
+class AttnModel(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attn = HandAttention(d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.attn(x, mask)
+
+
+def test_c03_attention_scores_are_forward_overflow_with_scaling_advice() -> None:
+    m = AttnModel(64)
+    with torch.no_grad():
+        for lin in (m.attn.q, m.attn.k, m.attn.v):
+            lin.weight.copy_(torch.eye(64))
+    m = m.half()
+    with nantrace.trace(m) as tr:
+        m(torch.full((1, 4, 64), 40.0, dtype=torch.float16))
+    d = diagnose(tr)
+    assert d.cause == "forward_overflow" and d.overflow is not None and d.overflow.module == "attn"
+    assert any("sqrt(head_dim)" in a for a in d.advice)
+
+
+def _mask(fully_padded_row: bool) -> torch.Tensor:
+    mask = torch.zeros(2, 1, 4, dtype=torch.float16)
+    mask[0, 0, 3] = -math.inf
+    if fully_padded_row:
+        mask[1] = -math.inf
+    return mask
+
+
+def test_c04_fully_masked_softmax_row_is_invalid_op_and_mask_alone_is_healthy() -> None:
+    torch.manual_seed(0)
+    m = AttnModel(8).half()
+    x = torch.randn(2, 4, 8).half()
+    with nantrace.trace(m) as tr:
+        m(x, _mask(True))
+    d = diagnose(tr)
+    assert d.cause == "invalid_op" and d.overflow is not None and d.overflow.module == "attn"
+    assert any("masked" in a for a in d.advice)
+    with nantrace.trace(m) as tr2:
+        m(x, _mask(False))
+    assert _cause(tr2) == "healthy"
+
+
+def test_c05_log_of_zero_count_is_data() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = torch.randint(1, 50, (8, 4)).float()
+        if step == 2:
+            counts[3, 1] = 0
+        return torch.log(counts), torch.randn(8, 1)
+
+    tr = _amp_loop(model, 4, batch, init_scale=1024)
+    d = diagnose(tr)
+    assert d.cause == "data"
+    assert d.overflow is not None and (d.overflow.step, d.overflow.phase) == (2, "data")
+    assert any("step 2" in a for a in d.advice)
+    assert any("log" in a for a in d.advice)
+
+
+class Gate(nn.Module):
+    def forward(self, p: torch.Tensor) -> torch.Tensor:
+        y = torch.log1p(-p.clamp(max=1 - 1e-6))
+        return torch.where(p < 0.5, y, torch.zeros_like(y))
+
+
+class C06Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.gate = Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(torch.sigmoid(self.proj(x)) + x)
+
+
+def test_c06_backward_zero_times_inf_is_invalid_op() -> None:
+    m = C06Model()
+    with torch.no_grad():
+        m.proj.weight.zero_()
+        m.proj.bias.fill_(-20.0)
+    m = m.half()
+    with nantrace.trace(m) as tr:
+        m(torch.tensor([[0.1, 0.2, 1.0, 0.3]], dtype=torch.float16)).sum().backward()
+    d = diagnose(tr)
+    assert d.cause == "invalid_op"
+    assert d.overflow is not None and (d.overflow.phase, d.overflow.module) == ("backward", "gate")
+    assert any("torch.where" in a for a in d.advice)
+
+
+def test_c07_adam_eps_in_pure_fp16_is_optimizer() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4).half())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)
+    x = torch.full((2, 4), 1e-3, dtype=torch.float16)
+    with nantrace.trace(model, optimizer=opt) as tr:
+        for _ in range(2):
+            opt.zero_grad()
+            (model(x).sum() * 1e-3).backward()
+            opt.step()
+    d = diagnose(tr)
+    assert d.cause == "optimizer"
+    assert d.overflow is not None and (d.overflow.phase, d.overflow.module) == ("optimizer", "0")
+    assert any("eps" in a and "1e-4" in a for a in d.advice)
+    assert any("master weights" in a for a in d.advice)
+
+
+def _c08(steps: int) -> Trace:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.copy_(torch.tensor([0.0, 30.0, 0.0]))
+    target = torch.tensor([0, 0])
+
+    def loss_fn(logits: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(logits.half(), dim=-1)  # fp16: exp(-30) -> 0
+        return -torch.log(probs[torch.arange(2), target]).mean()
+
+    return _amp_loop(model, steps, lambda s: (torch.randn(2, 4), target), loss_fn=loss_fn)
+
+
+def test_c08_loss_outside_the_model_is_loss() -> None:
+    d = diagnose(_c08(3))
+    assert d.cause == "loss"
+    assert d.overflow is not None and d.overflow.phase == "loss"
+    assert any("log_softmax" in a or "cross_entropy" in a for a in d.advice)
+
+
+def test_scale_halving_every_step_because_the_loss_is_inf_is_loss_not_collapse() -> None:
+    tr = _c08(12)
+    assert tr.steps["skipped"].tolist() == [True] * 12  # the symptom: a long run of skips, scale 65536 → 2
+    assert tr.steps["next_scale"].tolist()[-1] == 65536.0 / 2**12
+    d = diagnose(tr)
+    assert d.cause == "loss"
+    assert any("symptom" in e for e in d.evidence)
+
+
+def test_c09_shared_layer_third_call_is_forward_overflow() -> None:
+    class Thrice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Linear(4, 4, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.shared(self.shared(self.shared(x)))
+
+    m = Thrice()
+    with torch.no_grad():
+        m.shared.weight.fill_(12.0)
+    m = m.half()
+    with nantrace.trace(m) as tr:
+        m(torch.full((1, 4), 10.0, dtype=torch.float16))
+    d = diagnose(tr)
+    assert d.cause == "forward_overflow"
+    assert d.overflow is not None and (d.overflow.module, d.overflow.call) == ("shared", 2)
+
+
+def test_c10_inplace_relu_amp_step_is_forward_overflow() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4), nn.ReLU(inplace=True))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[0].bias.fill_(1.0)
+        model[2].weight.fill_(3000.0)
+    tr = _amp_loop(
+        model, 1, lambda s: (torch.full((2, 4), 2.0), torch.zeros(2, 4)), loss_fn=lambda o, y: o.float().sum()
+    )
+    d = diagnose(tr)
+    assert d.cause == "forward_overflow"
+    assert d.overflow is not None and d.overflow.module == "2"
+    assert any("autocast" in a and "model[2]" in a for a in d.advice)
+
+
+def test_c11_transformer_with_causal_mask_is_healthy() -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256)
+    with nantrace.trace(model, scaler=scaler, optimizer=opt) as tr:
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(2, 6, 16), mask=causal)
+            scaler.scale(out.float().pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+    d = diagnose(tr)
+    assert d.cause == "healthy" and d.overflow is None and d.advice == []
+
+
+def _c12(steps: int = 6) -> Trace:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    x, y = torch.randn(256, 8) * 4, torch.randn(256, 1) * 3
+    return _amp_loop(model, steps, lambda s: (x, y))
+
+
+def test_c12_default_scaler_backoff_is_scaler_backoff() -> None:
+    tr = _c12()
+    assert tr.steps["skipped"].tolist() == [True, False, False, False, False, False]
+    d = diagnose(tr)
+    assert d.cause == "scaler_backoff" and d.ok
+    assert d.overflow is not None and (d.overflow.step, d.overflow.phase, d.overflow.module) == (
+        0,
+        "backward",
+        "4",
+    )
+    assert any("init_scale=32768" in a for a in d.advice)
+
+
+def test_c13_gradient_accumulation_nan_is_data_at_micro_step_1() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nantrace.trace(model, optimizer=opt) as tr:
+        for step in range(4):
+            opt.zero_grad()
+            for micro in range(3):
+                x = torch.randn(2, 4)
+                if (step, micro) == (2, 1):
+                    x[1, 2] = math.nan
+                (model(x).sum() / 3).backward()
+            opt.step()
+    d = diagnose(tr)
+    assert d.cause == "data"
+    assert d.overflow is not None and (d.overflow.step, d.overflow.micro_step) == (2, 1)
+    assert any("step 2, micro-step 1" in a for a in d.advice)
+
+
+def _c14() -> Trace:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(0.01)
+        model[0].bias.zero_()
+        model[1].weight.fill_(400.0)
+        model[1].bias.zero_()
+        model[2].weight.fill_(30.0)
+        model[2].bias.zero_()
+    model = model.half()
+    with nantrace.trace(model) as tr:
+        model(torch.full((1, 4), 0.5, dtype=torch.float16)).sum().backward()
+    return tr
+
+
+def test_c14_backward_grad_input_overflow_is_backward_overflow() -> None:
+    d = diagnose(_c14())
+    assert d.cause == "backward_overflow"
+    assert d.overflow is not None and (d.overflow.phase, d.overflow.module) == ("backward", "1")
+    assert any("no GradScaler" in e for e in d.evidence)
+    assert any("`1`" in a for a in d.advice)
+
+
+# ============================================================================================ one per cause
+def test_data_nan_in_the_input_of_a_plain_fp32_model() -> None:
+    model = nn.Sequential(nn.Linear(3, 2))
+    with nantrace.trace(model) as tr:
+        model(torch.tensor([[1.0, math.nan, 2.0]]))
+    d = diagnose(tr)
+    assert d.cause == "data" and any("nan_to_num" in a for a in d.advice)
+
+
+class Normalize(nn.Module):
+    """L2 normalisation written without eps: an all-zero row is 0/0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.norm(dim=-1, keepdim=True)
+
+
+def test_invalid_op_forward_zero_over_zero_advises_eps() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Normalize())
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.zero_()
+    with nantrace.trace(model) as tr:
+        model(torch.ones(2, 4))
+    d = diagnose(tr)
+    assert d.cause == "invalid_op"
+    assert d.overflow is not None and d.overflow.module == "1" and d.overflow.phase == "forward"
+    assert any("eps" in a for a in d.advice)
+
+
+def _collapse(init_scale: float, steps: int) -> Trace:
+    """The backward of `1` overflows float16 at every scale: its weights (1000) times a large incoming
+    gradient (loss = 100 · out) exceed 65504 even unscaled, while the forward stays small."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(1e-3)
+        model[0].bias.zero_()
+        model[1].weight.fill_(1000.0)
+        model[1].bias.zero_()
+    return _amp_loop(
+        model,
+        steps,
+        lambda s: (torch.ones(2, 4), torch.zeros(2, 1)),
+        init_scale=init_scale,
+        loss_fn=lambda o, y: o.float().sum() * 100.0,
+    )
+
+
+def test_loss_scale_collapse_scale_below_one() -> None:
+    tr = _collapse(4.0, 4)
+    assert tr.steps["skipped"].tolist() == [True] * 4
+    assert tr.steps["next_scale"].tolist()[-1] < 1
+    d = diagnose(tr)
+    assert d.cause == "loss_scale_collapse"
+    assert d.overflow is not None and (d.overflow.phase, d.overflow.step) == ("backward", 3)  # lowest scale
+    assert any("below 1" in e for e in d.evidence)
+
+
+def test_loss_scale_collapse_long_run_of_skips() -> None:
+    tr = _collapse(2.0**14, 9)
+    assert tr.steps["skipped"].tolist() == [True] * 9 and tr.steps["next_scale"].min() >= 1
+    assert _cause(tr) == "loss_scale_collapse"
+
+
+def test_short_trailing_backoff_with_default_scale_is_benign() -> None:
+    tr = _c12(1)
+    assert tr.steps["skipped"].tolist() == [True]
+    d = diagnose(tr)
+    assert d.cause == "scaler_backoff" and any("trace more steps" in e for e in d.evidence)
+
+
+def test_real_fault_after_a_benign_backoff_is_reported_not_the_backoff() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    x, y = torch.randn(256, 8) * 4, torch.randn(256, 1) * 3
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x * 1e4 if step == 4 else x), y  # an outlier batch at step 4
+
+    tr = _amp_loop(model, 5, batch)
+    assert tr.steps["skipped"].tolist()[0] is True
+    d = diagnose(tr)
+    assert d.cause == "forward_overflow"
+    assert d.overflow is not None and d.overflow.step == 4
+
+
+def _diverging(lr: float, steps: int = 12, spike_at: int | None = None) -> Trace:
+    """A linear layer under fp16 autocast trained by SGD on a fixed batch. With lr=2 every step multiplies the
+    error by 1 - 2.5·lr = -4: weights, outputs and loss grow 4x/4x/16x per step until the output overflows
+    float16 at step 8. With a small lr training is stable, and ``spike_at`` feeds one outlier batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    y = torch.zeros(8, 4)
+    with nantrace.trace(model, optimizer=opt) as tr:
+        for step in range(steps):
+            x = torch.ones(8, 4) * (1e5 if step == spike_at else 1.0)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = F.mse_loss(out.float(), y)
+            tr.step(loss)
+            loss.backward()
+            opt.step()
+            if not torch.isfinite(out).all():
+                break
+    return tr
+
+
+def test_divergence_too_high_lr_grows_until_forward_overflow() -> None:
+    tr = _diverging(lr=2.0)
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.phase, ov.module, ov.step) == ("forward", "0", 8)
+    d = diagnose(tr)
+    assert d.cause == "divergence"
+    assert d.overflow == ov
+    assert any("update-to-weight ratio" in e for e in d.evidence)
+    assert any("loss rose" in e for e in d.evidence)
+    assert any("learning rate from 2" in a for a in d.advice)
+    ratios = update_ratios(tr.records)
+    assert set(ratios.columns) >= {"step", "module", "tensor", "ratio"} and ratios["ratio"].median() > 1
+
+
+def test_one_outlier_batch_after_stable_training_is_forward_overflow_not_divergence() -> None:
+    tr = _diverging(lr=1e-3, steps=6, spike_at=5)
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.phase, ov.step) == ("forward", 5)
+    assert _cause(tr) == "forward_overflow"
+
+
+def test_gradient_underflow_fp16_without_scaler() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nantrace.trace(model, optimizer=opt) as tr:
+        for _ in range(2):
+            opt.zero_grad()
+            (model(torch.randn(16, 8).half()).mean() * 1e-6).backward()  # gradients ~1e-8: below 2**-24
+            opt.step()
+    assert tr.first_overflow() is None
+    d = diagnose(tr)
+    assert d.cause == "gradient_underflow" and d.overflow is None
+    assert any("GradScaler" in a for a in d.advice)
+    assert any("zeros" in e for e in d.evidence)
+
+
+def test_healthy_fp32_mlp_and_quiet_growth_is_not_flagged() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    with nantrace.trace(model, optimizer=opt) as tr:
+        for _ in range(5):
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            tr.step(loss)
+            loss.backward()
+            opt.step()
+    d = diagnose(tr)
+    assert d.cause == "healthy"
+    assert "healthy" in str(d).lower()
+
+
+def test_every_cause_is_covered_above() -> None:
+    import inspect
+    import sys
+
+    src = inspect.getsource(sys.modules[__name__])
+    for cause in CAUSES:
+        assert f'"{cause}"' in src
+
+
+# ============================================================================================ the object
+def test_diagnosis_str_html_escape_and_validation(tmp_path: Path) -> None:
+    d = Diagnosis("healthy", None, ["<b>&"], ['use "x" <y>'], summary="a<b")
+    h = d._repr_html_()
+    assert "<b>&" not in h and "&lt;b&gt;&amp;" in h and "&lt;y&gt;" in h and "a&lt;b" in h
+    assert "evidence" in str(d) and "<b>&" in str(d)
+    with pytest.raises(ValueError, match="cause"):
+        Diagnosis("nan", None)
+    with pytest.raises(TypeError, match="Trace"):
+        diagnose(object())  # type: ignore[arg-type]
+    tr = _c14()
+    d = diagnose(tr)
+    assert d.to_dict()["overflow"]["module"] == "1"
+    assert "backward_overflow" in repr(d) and "<code>backward_overflow</code>" in d._repr_html_()
+    back = nantrace.load(tr.save(tmp_path / "c14.nantrace"))
+    assert diagnose(back) == d
+
+
+# ============================================================================================ fp16 readiness
+def test_fp16_readiness_from_fp32_run_lists_overflow_and_underflow_worst_first() -> None:
+    m = _c01()  # float32: ff.wo gives 1100·64/16·... ≈ 7e4, above float16's 65504
+    tiny = nn.Linear(8, 8)
+    with torch.no_grad():
+        tiny.weight.fill_(1e-9)
+        tiny.bias.zero_()
+    model = nn.Sequential(m, tiny)
+    with nantrace.trace(model) as tr:
+        out = model(torch.full((2, 16), 1100.0))
+        out.sum().backward()
+    assert tr.first_overflow() is None  # float32 holds it
+    df = fp16_readiness(tr)
+    assert list(df.columns) == list(READINESS_COLUMNS)
+    first = df.iloc[0]
+    assert first["verdict"] == "overflow"
+    over = df[df["verdict"] == "overflow"]
+    assert "0.ff.wo" in set(over["module"])
+    wo = over[(over["module"] == "0.ff.wo") & (over["tensor_kind"] == "output")].iloc[0]
+    assert wo["absmax"] == pytest.approx(70400.0)
+    assert wo["headroom_bits"] == pytest.approx(math.log2(65504 / 70400))
+    out1 = df[(df["module"] == "1") & (df["tensor_kind"] == "output")].iloc[0]
+    assert out1["verdict"] in ("underflow", "subnormal") and out1["footroom_bits"] < 0
+    ranks = df["verdict"].map({"nonfinite": 0, "overflow": 1, "underflow": 2, "subnormal": 3, "ok": 4})
+    assert ranks.is_monotonic_increasing
+    assert set(df["phase"]) >= {"data", "forward", "backward"}
+    # a GradScaler-sized loss scale pushes gradients up: more overflow rows, never fewer
+    scaled = fp16_readiness(tr.records, loss_scale=65536.0)
+    assert (scaled["verdict"] == "overflow").sum() >= (df["verdict"] == "overflow").sum()
+    with pytest.raises(ValueError, match="loss_scale"):
+        fp16_readiness(tr, loss_scale=0)
+    with pytest.raises(TypeError):
+        fp16_readiness(3)  # type: ignore[arg-type]
+
+
+def test_fp16_readiness_of_a_small_healthy_run_is_ok() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    with nantrace.trace(model) as tr:
+        model(torch.full((2, 4), 0.5))
+    df = fp16_readiness(tr)
+    assert set(df["verdict"]) == {"ok"}
+    assert (df["headroom_bits"] > 10).all()
+
+
+# ============================================================================================ compare
+def _c01_run(dtype: torch.dtype) -> Trace:
+    m = _c01().to(dtype)
+    with nantrace.trace(m) as tr:
+        m(torch.full((2, 16), 1100.0, dtype=dtype))
+    return tr
+
+
+def test_compare_fp32_against_fp16_names_the_overflowing_layer() -> None:
+    a, b = _c01_run(torch.float32), _c01_run(torch.float16)
+    c = compare(a, b)
+    assert isinstance(c, Comparison) and c.diverged
+    assert c.first is not None
+    assert (c.first["phase"], c.first["module"], c.first["tensor"]) == ("forward", "ff.wo", "output")
+    assert bool(c.first["finite_a"]) and not bool(c.first["finite_b"])
+    assert c.n_only_a == c.n_only_b == 0
+    assert len(c.diffs) == len(a.records) and len(c.divergent) >= 1
+    assert "ff.wo" in str(c) and "ff.wo" in c._repr_html_()
+    # rows before it (data, ff.wi, ff.act) agree within the default tolerance
+    before = c.diffs.iloc[: c.diffs.index[c.diffs["diverged"]][0]]
+    assert len(before) >= 3 and not before["diverged"].any()
+
+
+def test_compare_identical_runs_and_tolerances() -> None:
+    a, b = _c01_run(torch.float32), _c01_run(torch.float32)
+    c = compare(a.records, b.records)
+    assert not c.diverged and c.first is None and (c.diffs["diff_bits"] == 0).all()
+    assert "no divergence" in str(c)
+    loose = compare(_c01_run(torch.float32), _c01_run(torch.float16), tol_bits=40)
+    assert loose.first is not None and loose.first["module"] == "ff.wo"  # finiteness differs at any tolerance
+    with pytest.raises(ValueError, match="not both"):
+        compare(a, b, rtol=0.1, tol_bits=1.0)
+    with pytest.raises(ValueError, match="rtol"):
+        compare(a, b, rtol=-1)
+    with pytest.raises(TypeError):
+        compare(a, 3)  # type: ignore[arg-type]
+
+
+def test_compare_scaled_fp16_gradients_against_fp32_are_unscaled() -> None:
+    def run(amp: bool) -> pd.DataFrame:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024, enabled=amp)
+        x = torch.randn(8, 4)
+        with nantrace.trace(model, scaler=scaler if amp else None, optimizer=opt) as tr:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                out = model(x)
+            scaler.scale(out.float().mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+        return tr.records
+
+    c = compare(run(False), run(True), tol_bits=0.05)
+    grads = c.diffs[c.diffs["tensor"].str.endswith(".grad")]
+    assert len(grads) == 4 and (grads["diff_bits"] < 0.05).all()
+
+
+def test_quiet_divergence_before_any_overflow() -> None:
+    tr = _diverging(lr=2.0, steps=6)  # outputs 1.2 → 1243: still finite in float16
+    assert tr.first_overflow() is None
+    d = diagnose(tr)
+    assert d.cause == "divergence" and d.overflow is None
+    assert "no overflow yet" in d.summary
+
+
+class HalfGate(Gate):
+    """Gate computed in float16 even under autocast, so 1 - 1e-6 rounds to 1 and log1p(-1) = -inf."""
+
+    def forward(self, p: torch.Tensor) -> torch.Tensor:
+        return super().forward(p.half())
+
+
+def test_backward_nan_that_persists_under_a_scaler_is_invalid_op_not_backoff() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), HalfGate())
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.copy_(torch.tensor([0.1, 0.2, 1.0, 0.3]))  # p = 1.0 in a discarded entry
+    tr = _amp_loop(
+        model, 3, lambda s: (torch.ones(1, 4), torch.zeros(1, 4)), loss_fn=lambda o, y: o.float().sum()
+    )
+    assert tr.steps["skipped"].tolist() == [True, True, True]
+    d = diagnose(tr)
+    assert d.cause == "invalid_op"
+    assert d.overflow is not None and (d.overflow.phase, d.overflow.module, d.overflow.kind) == (
+        "backward",
+        "1",
+        "nan",
+    )
+
+
+def test_divergence_under_a_grad_scaler_is_not_called_backoff_or_collapse() -> None:
+    """With a scaler the growing gradients overflow first: the scaler skips and halves again and again, and
+    the weights grow on every step it lets through. The root cause is the learning rate."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    tr = _amp_loop(model, 14, lambda s: (torch.ones(8, 4), torch.zeros(8, 4)), lr=2.0)
+    assert tr.steps["skipped"].sum() >= 7
+    d = diagnose(tr)
+    assert d.cause == "divergence"
+    assert d.overflow is not None and d.overflow.phase == "backward"
+
+
+def test_fp16_readiness_from_a_bf16_run_flags_what_float16_cannot_hold() -> None:
+    lin = nn.Linear(4, 4, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.fill_(1000.0)
+    model = nn.Sequential(lin)
+    with nantrace.trace(model) as tr:
+        model(torch.full((1, 4), 100.0, dtype=torch.bfloat16))  # 4e5: fine in bf16, inf in fp16
+    assert tr.first_overflow() is None
+    df = fp16_readiness(tr)
+    top = df.iloc[0]
+    assert (top["module"], top["tensor_kind"], top["verdict"], top["dtype"]) == (
+        "0",
+        "output",
+        "overflow",
+        "bfloat16",
+    )
+    assert top["headroom_bits"] == pytest.approx(math.log2(65504 / 400000), abs=0.01)
