@@ -24,7 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from ._stats import describable, stats_device, stats_host
+from ._stats import describable, is_clean_host, stats_device, stats_host
 from ._store import PHASE_CODE, PendingStep, Store
 
 __all__ = ["Recorder", "flatten"]
@@ -142,9 +142,17 @@ class Recorder:
     """Mutable recording state of one :class:`~nantrace.Trace` (step counters, call stack, caches)."""
 
     def __init__(
-        self, store: Store, *, sync_free: bool, record_phases: frozenset[str], drill: bool = True
+        self,
+        store: Store,
+        *,
+        sync_free: bool,
+        record_phases: frozenset[str],
+        drill: bool = True,
+        every: int = 1,
     ) -> None:
         self.store = store
+        self.every = every
+        self.light = False  # on steps between full ones (every > 1): rows only for tensors holding inf/NaN
         self.drill = drill
         self.seen_kinds: set[str] = set()
         self.sync_free = sync_free
@@ -162,6 +170,8 @@ class Recorder:
         self.tensor_handles: list[RemovableHandle] = []
         self.has_rows = False
         self.last_kinds: frozenset[str] | None = frozenset()
+        self._dtype_codes: dict[torch.dtype, int] = {}
+        self._shape_codes: dict[torch.Size, int] = {}
 
     # ------------------------------------------------------------ statistics
     def stat(self, t: torch.Tensor) -> tuple[Any, int]:
@@ -197,6 +207,8 @@ class Recorder:
         """Append one row for tensor ``t`` (nothing for tensors that are not :func:`describable`)."""
         if not describable(t):
             return
+        if self.light and not self.sync_free and t.device.type == "cpu" and is_clean_host(t):
+            return
         store = self.store
         stats, event = self.stat(t)
         self.seq += 1
@@ -209,8 +221,8 @@ class Recorder:
             tcode,
             call,
             store.tensors.code(path),
-            store.dtypes.code(str(t.dtype).replace("torch.", "")),
-            store.shapes.code(str(tuple(t.shape))),
+            self._dtype_code(t.dtype),
+            self._shape_code(t.shape),
             t.numel(),
             int(is_grad),
             parent,
@@ -220,6 +232,18 @@ class Recorder:
         store.add(meta, stats)
         self.has_rows = True
         self.last_kinds = kinds_of_stats(stats)
+
+    def _dtype_code(self, dtype: torch.dtype) -> int:
+        code = self._dtype_codes.get(dtype)
+        if code is None:
+            code = self._dtype_codes[dtype] = self.store.dtypes.code(str(dtype).replace("torch.", ""))
+        return code
+
+    def _shape_code(self, shape: torch.Size) -> int:
+        code = self._shape_codes.get(shape)
+        if code is None:
+            code = self._shape_codes[shape] = self.store.shapes.code(str(tuple(shape)))
+        return code
 
     # ------------------------------------------------------------ step structure
     def begin_micro_step(self) -> None:
@@ -239,6 +263,7 @@ class Recorder:
         self.store.flush(self.step, self.pending, mask_rule)
         self.pending = PendingStep()
         self.step += 1
+        self.light = self.step % self.every != 0
         self.micro = -1
         self.seq = 0
         self.has_rows = False

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-__all__ = ["N_STATS", "STAT_NAMES", "describable", "stats_device", "stats_host"]
+__all__ = ["N_STATS", "STAT_NAMES", "describable", "is_clean_host", "stats_device", "stats_host"]
 
 STAT_NAMES: tuple[str, ...] = (
     "min",
@@ -111,9 +111,10 @@ def _finite(v: float) -> bool:
 def stats_host(t: torch.Tensor) -> tuple[float, ...]:
     """Statistics of a CPU tensor ``t`` as 8 Python floats, same order and meaning as :func:`stats_device`.
 
-    Reads values on the host (free for CPU tensors) to skip work: one ``aminmax`` pass; the zero count from
-    ``count_nonzero``; the smallest non-zero ``|x|`` only needs its own pass when zeros sit between negative and
-    positive values. Tensors holding inf/NaN fall back to :func:`stats_device`.
+    Reads values on the host (free for CPU tensors) to skip work. One ``aminmax`` pass gives min/max and proves
+    the tensor free of inf/NaN (tensors holding them fall back to :func:`stats_device`). A tensor of one sign
+    needs nothing more unless it holds zeros. A mixed-sign tensor takes one ``|x|`` pass and its minimum; only
+    when that minimum is 0 are zeros counted (``count_nonzero``) and the smallest non-zero ``|x|`` found.
     """
     x = _work_view(t)
     lo_t, hi_t = torch.aminmax(x)
@@ -121,22 +122,30 @@ def stats_host(t: torch.Tensor) -> tuple[float, ...]:
     if not (_finite(lo) and _finite(hi)):
         return tuple(stats_device(x).tolist())
     numel = x.numel()
-    n_zero = numel - int(torch.count_nonzero(x))
     absmax = max(abs(lo), abs(hi))
-    if n_zero == 0:
-        if lo > 0:
-            absmin = lo
-        elif hi < 0:
-            absmin = -hi
-        else:
-            absmin = float(x.abs().amin())
-    elif n_zero == numel:
-        absmin = _NAN
-    elif lo >= 0:
-        absmin = float(torch.where(x == 0, hi_t, x).amin())
-    elif hi <= 0:
-        absmin = -float(torch.where(x == 0, lo_t, x).amax())
-    else:
+    if lo > 0 or hi < 0:  # one sign, no zeros
+        return (lo, hi, absmax, lo if lo > 0 else -hi, 0.0, 0.0, 0.0, 0.0)
+    if lo == 0 and hi == 0:
+        return (lo, hi, 0.0, _NAN, 0.0, 0.0, 0.0, float(numel))
+    if lo < 0 < hi:
         ax = x.abs()
-        absmin = float(torch.where(ax == 0, absmax, ax).amin())
+        smallest = float(ax.amin())
+        if smallest > 0:
+            return (lo, hi, absmax, smallest, 0.0, 0.0, 0.0, 0.0)
+        n_zero = numel - int(torch.count_nonzero(x))
+        absmin = float(ax.masked_fill_(ax == 0, absmax).amin())
+        return (lo, hi, absmax, absmin, 0.0, 0.0, 0.0, float(n_zero))
+    # one sign with zeros: lo == 0 < hi (e.g. after ReLU) or lo < 0 == hi
+    n_zero = numel - int(torch.count_nonzero(x))
+    if lo == 0:
+        absmin = float(torch.where(x == 0, hi_t, x).amin())
+    else:
+        absmin = -float(torch.where(x == 0, lo_t, x).amax())
     return (lo, hi, absmax, absmin, 0.0, 0.0, 0.0, float(n_zero))
+
+
+def is_clean_host(t: torch.Tensor) -> bool:
+    """One ``aminmax`` pass over a CPU tensor: True when it holds no NaN or ±inf (NaN propagates into min/max
+    and ±inf shows as an extreme)."""
+    lo, hi = torch.aminmax(_work_view(t))
+    return _finite(float(lo)) and _finite(float(hi))

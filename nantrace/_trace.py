@@ -153,6 +153,7 @@ class Trace:
         phases: Iterable[str] | None = None,
         sync_free: bool | None = None,
         drill: bool = True,
+        every: int = 1,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}: {model!r:.80}")
@@ -186,6 +187,11 @@ class Trace:
                     "phases= is empty, so nothing would be recorded; pass None to record every phase, "
                     f"or some of {list(PHASES)}"
                 )
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(
+                f"every must be an int ≥ 1 (record full statistics every N-th step); got {every!r}. "
+                "Use every=1 to record every step."
+            )
         if not isinstance(drill, bool):
             raise TypeError(f"drill must be True or False; got {drill!r}")
         if sync_free is not None and not isinstance(sync_free, bool):
@@ -205,7 +211,9 @@ class Trace:
         self._scaler = scaler
         self._optimizer = optimizer
         self._store = Store()
-        self._rec = Recorder(self._store, sync_free=bool(sync_free), record_phases=phase_set, drill=drill)
+        self._rec = Recorder(
+            self._store, sync_free=bool(sync_free), record_phases=phase_set, drill=drill, every=every
+        )
         self._handles: list[RemovableHandle] = []
         self._patched: list[tuple[object, str, bool, Any]] = []
         self._entered = False
@@ -218,6 +226,7 @@ class Trace:
             "phases": sorted(phase_set, key=PHASES.index),
             "sync_free": sync_free,
             "drill": drill,
+            "every": every,
             "scaler": type(scaler).__name__ if scaler is not None else None,
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
         }
@@ -571,6 +580,7 @@ def trace(
     phases: Iterable[str] | None = None,
     sync_free: bool | None = None,
     drill: bool = True,
+    every: int = 1,
 ) -> Trace:
     """Record the range and inf/NaN counts of every activation and gradient of ``model``.
 
@@ -597,6 +607,10 @@ def trace(
             autograd off and the RNG state forked, to name the first torch op inside it that made the value
             (``Trace.ops``). The replay runs the module's Python ``forward`` again, so Python side effects
             in it (counters, caches) happen twice for that one call; pass ``False`` to turn it off.
+        every: record full statistics on every N-th step (steps 0, N, 2N, …). On the steps between, each
+            tensor costs one ``torch.aminmax`` pass and gets a row only if it holds inf/NaN, so the locator
+            still finds the first producer on any step (CPU path; on the ``sync_free`` path every step is
+            recorded in full). Default 1.
 
     Returns:
         the :class:`Trace` (a context manager).
@@ -604,8 +618,8 @@ def trace(
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``scaler`` not a ``GradScaler``, ``optimizer`` not an
             ``Optimizer``, or a ``modules`` item of another type.
-        ValueError: ``modules`` is empty or matches no module, or ``phases`` is empty or names an unknown
-            phase.
+        ValueError: ``modules`` is empty or matches no module, ``phases`` is empty or names an unknown
+            phase, or ``every`` is not an int ≥ 1.
         NantraceError (on enter): the model is already being traced.
     """
     return Trace(
@@ -616,4 +630,5 @@ def trace(
         phases=phases,
         sync_free=sync_free,
         drill=drill,
+        every=every,
     )

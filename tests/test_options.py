@@ -1,0 +1,42 @@
+"""Options of nantrace.trace that trade detail for speed: every=N, phases=, drill=."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import nantrace
+
+
+def _blowup_model() -> nn.Sequential:
+    m = nn.Sequential(nn.Linear(2, 2, bias=False), nn.ReLU(), nn.Linear(2, 1, bias=False))
+    with torch.no_grad():
+        m[0].weight.fill_(1.0)
+        m[2].weight.fill_(1.0)
+    return m.half()
+
+
+def test_every_n_records_full_steps_and_only_nonfinite_rows_between() -> None:
+    m = _blowup_model()
+    with nantrace.trace(m, every=3) as tr:
+        for step in range(7):
+            scale = 20000.0 if step == 4 else 1.0  # step 4: 2*20000=40000 then 80000 -> inf in m[2]
+            with torch.no_grad():
+                m(torch.full((1, 2), scale, dtype=torch.float16))
+    rec = tr.records
+    per_step = rec.groupby("step", observed=True).size().to_dict()
+    full = per_step[0]
+    assert full == 8  # data input, 3 modules × (input, output), root output
+    assert per_step == {0: full, 3: full, 4: 2, 6: full}  # step 4: m[2].output and root output hold inf
+    assert sorted(tr.steps["step"].tolist()) == list(range(7))
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase, ov.module, ov.kind) == (4, "forward", "2", "inf")
+    assert tr.options["every"] == 3
+
+
+def test_phases_subset_records_only_those_phases() -> None:
+    m = _blowup_model()
+    with nantrace.trace(m, phases=["forward"]) as tr:
+        m(torch.ones(1, 2, dtype=torch.float16)).float().sum().backward()
+    assert set(tr.records["phase"].astype(str)) == {"forward"}
+    assert len(tr.records) == 7  # 3 modules × (input, output) and the root output
