@@ -81,12 +81,15 @@ def positional_names(module: torch.nn.Module) -> list[str]:
 
 
 _KIND_COLS = ((4, "nan"), (5, "posinf"), (6, "neginf"))
+_CLEAN: frozenset[str] = frozenset()
 
 
 def kinds_of_stats(stats: Any) -> frozenset[str] | None:
     """Non-finite kinds in a host statistics tuple; ``None`` for device statistics (not read in hooks)."""
     if isinstance(stats, torch.Tensor):
         return None
+    if not (stats[4] or stats[5] or stats[6]):
+        return _CLEAN
     return frozenset(k for i, k in _KIND_COLS if stats[i] > 0)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 __all__ = ["N_STATS", "STAT_NAMES", "describable", "is_clean_host", "stats_device", "stats_host"]
@@ -113,35 +114,43 @@ def stats_host(t: torch.Tensor) -> tuple[float, ...]:
 
     Reads values on the host (free for CPU tensors) to skip work. One ``aminmax`` pass gives min/max and proves
     the tensor free of inf/NaN (tensors holding them fall back to :func:`stats_device`). A tensor of one sign
-    needs nothing more unless it holds zeros. A mixed-sign tensor takes one ``|x|`` pass and its minimum; only
-    when that minimum is 0 are zeros counted (``count_nonzero``) and the smallest non-zero ``|x|`` found.
+    with no zero needs nothing more; otherwise one ``|x|`` pass read as unsigned integers gives the zero count
+    and the smallest non-zero ``|x|`` (:func:`_zeros_and_absmin`).
     """
     x = _work_view(t)
     lo_t, hi_t = torch.aminmax(x)
     lo, hi = float(lo_t), float(hi_t)
     if not (_finite(lo) and _finite(hi)):
         return tuple(stats_device(x).tolist())
-    numel = x.numel()
     absmax = max(abs(lo), abs(hi))
     if lo > 0 or hi < 0:  # one sign, no zeros
         return (lo, hi, absmax, lo if lo > 0 else -hi, 0.0, 0.0, 0.0, 0.0)
-    if lo == 0 and hi == 0:
-        return (lo, hi, 0.0, _NAN, 0.0, 0.0, 0.0, float(numel))
-    if lo < 0 < hi:
-        ax = x.abs()
-        smallest = float(ax.amin())
-        if smallest > 0:
-            return (lo, hi, absmax, smallest, 0.0, 0.0, 0.0, 0.0)
-        n_zero = numel - int(torch.count_nonzero(x))
-        absmin = float(ax.masked_fill_(ax == 0, absmax).amin())
-        return (lo, hi, absmax, absmin, 0.0, 0.0, 0.0, float(n_zero))
-    # one sign with zeros: lo == 0 < hi (e.g. after ReLU) or lo < 0 == hi
-    n_zero = numel - int(torch.count_nonzero(x))
-    if lo == 0:
-        absmin = float(torch.where(x == 0, hi_t, x).amin())
-    else:
-        absmin = -float(torch.where(x == 0, lo_t, x).amax())
+    n_zero, absmin = _zeros_and_absmin(x)
     return (lo, hi, absmax, absmin, 0.0, 0.0, 0.0, float(n_zero))
+
+
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_FLOAT_OF_BITS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _zeros_and_absmin(x: torch.Tensor) -> tuple[int, float]:
+    """Zero count and smallest non-zero ``|x|`` of a finite CPU tensor, in two cheap passes over ``|x|``.
+
+    ``|x|`` has its sign bit clear, so its bit pattern read as an unsigned integer orders like its value.
+    Subtracting 1 (in place, on the temporary) sends zeros to the largest integer and keeps every other
+    value's order, so the minimum plus 1 is the bit pattern of the smallest non-zero ``|x|``.
+    """
+    a = torch.abs(x).contiguous().reshape(-1)
+    u = a.view(_INT[a.element_size()]).numpy().view(_UINT[a.element_size()])
+    n_zero = int(u.size - np.count_nonzero(u))
+    if n_zero == u.size:
+        return n_zero, _NAN
+    u -= 1
+    bits = np.array([u.min() + 1], dtype=u.dtype)
+    if a.dtype == torch.bfloat16:  # bfloat16 is the top half of a float32
+        return n_zero, float(np.array([int(bits[0]) << 16], dtype=np.uint32).view(np.float32)[0])
+    return n_zero, float(bits.view(_FLOAT_OF_BITS[a.dtype])[0])
 
 
 def is_clean_host(t: torch.Tensor) -> bool:
