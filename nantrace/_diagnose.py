@@ -376,7 +376,10 @@ class _Run:
         scales = [self.scale.get(s, math.nan) for s in run] + [self.next_scale.get(s, math.nan) for s in run]
         if any(v < 1 for v in scales if not math.isnan(v)):
             return True
-        later = [s for s in self.step_ids if s >= run[0]]
+        # steps from the run's start up to the first fault a lower scale cannot remove: skips caused by that
+        # fault (e.g. a forward overflow every step) say nothing about the scale
+        limit = self.first_fault_step()
+        later = [s for s in self.step_ids if run[0] <= s < limit]
         n_skip = sum(1 for s in later if self.skipped.get(s) is True)
         if 2 * n_skip < len(later):
             return False
@@ -386,6 +389,11 @@ class _Run:
         first, last = self.scale_range(later)
         fell = not (math.isnan(first) or math.isnan(last)) and last <= first / 2 ** (COLLAPSE_RECURRING - 1)
         return n_runs >= COLLAPSE_RECURRING and fell
+
+    def first_fault_step(self) -> float:
+        """Step of the first event that is not scale-dependent (``inf`` when there is none)."""
+        faults = [ev.step for ev in self.events if not self.scale_dependent(ev)]
+        return min(faults) if faults else math.inf
 
     def fresh_steps(self) -> set[int]:
         """Steps whose weights differ from the step before: the first step, and every step after one the scaler

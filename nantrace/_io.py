@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import torch
 
-from ._store import category_index
+from ._store import canonical_records, category_index
 
 if TYPE_CHECKING:
     from ._trace import Trace
@@ -87,10 +87,10 @@ def _check_target(path: str | os.PathLike[str]) -> Path:
     return p
 
 
-def header(tr: Trace) -> dict[str, Any]:
+def header(tr: Trace, records: pd.DataFrame | None = None) -> dict[str, Any]:
     from . import __version__
 
-    rec = tr.records
+    rec = tr.records if records is None else records
     return {
         "format": FORMAT_VERSION,
         "nantrace": __version__,
@@ -102,15 +102,20 @@ def header(tr: Trace) -> dict[str, Any]:
     }
 
 
+def footer(tr: Trace, records: pd.DataFrame | None = None) -> bytes:
+    """The nantrace metadata of a trace file: JSON header, and ``steps``/``ops`` as Arrow IPC."""
+    head = header(tr, records)
+    return json.dumps({"header": head, "steps": _ipc(tr.steps), "ops": _ipc(tr.ops)}).encode("utf-8")
+
+
 def save(tr: Trace, path: str | os.PathLike[str]) -> Path:
     """Write ``tr`` to ``path`` atomically; returns the path. See :meth:`nantrace.Trace.save`."""
     pa, pq = _pa()
     target = _check_target(path)
-    head = header(tr)
-    meta = {"header": head, "steps": _ipc(tr.steps), "ops": _ipc(tr.ops)}
-    table = pa.Table.from_pandas(tr.records, preserve_index=False)
+    records = tr.records
+    table = pa.Table.from_pandas(records, preserve_index=False)
     schema_meta = dict(table.schema.metadata or {})
-    schema_meta[MAGIC] = json.dumps(meta).encode("utf-8")
+    schema_meta[MAGIC] = footer(tr, records)
     table = table.replace_schema_metadata(schema_meta)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
@@ -165,6 +170,12 @@ def _meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return dict(meta)
 
 
+def read_records(path: str | os.PathLike[str]) -> pd.DataFrame:
+    """The ``records`` table of a trace file (written by ``save`` or streamed with ``trace(path=...)``)."""
+    _, pq = _pa()
+    return canonical_records(pq.read_table(Path(path)).to_pandas())
+
+
 def load(path: str | os.PathLike[str]) -> Trace:
     """Read a trace written by :meth:`Trace.save` as a read-only :class:`~nantrace.Trace`.
 
@@ -177,8 +188,8 @@ def load(path: str | os.PathLike[str]) -> Trace:
     from ._trace import Trace
 
     meta = _meta(path)
-    _, pq = _pa()
-    records = _normalise(pq.read_table(Path(path)).to_pandas())
+    _, _pq = _pa()
+    records = read_records(path)
     steps = _from_ipc(meta["steps"])
     ops = _from_ipc(meta["ops"])
     return Trace._from_saved(records, steps, ops, meta["header"])

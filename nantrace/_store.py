@@ -127,6 +127,45 @@ def category_index(values: Sequence[str]) -> pd.Index:
     return pd.Index(list(values), dtype=_STR_DTYPE)
 
 
+def _stream_schema() -> Any:
+    import pyarrow as pa
+
+    string = {"phase", "module", "module_type", "tensor", "dtype", "shape", "parent", "arg"}
+    types = {"micro_step": pa.int32(), "call": pa.int32(), "scale": pa.float32()}
+    fields = []
+    for name in RECORD_COLUMNS:
+        if name in string:
+            fields.append(pa.field(name, pa.string()))
+        elif name in types:
+            fields.append(pa.field(name, types[name]))
+        elif name in STAT_NAMES and not name.startswith("n_"):
+            fields.append(pa.field(name, pa.float64()))
+        else:
+            fields.append(pa.field(name, pa.int64()))
+    return pa.schema(fields)
+
+
+def canonical_records(df: pd.DataFrame) -> pd.DataFrame:
+    """Records read from a file in the recorder's dtypes: categorical text columns (categories in order of
+    first appearance, pandas' default string dtype) and the smallest integer dtypes."""
+    for name in ("phase", "module", "module_type", "tensor", "dtype", "shape", "parent", "arg"):
+        col = df[name]
+        if isinstance(col.dtype, pd.CategoricalDtype):
+            values = [str(v) for v in col.cat.categories]
+            codes = col.cat.codes.to_numpy()
+        else:
+            obj = col.astype(object).where(col.notna(), None).to_numpy()
+            values = [str(v) for v in pd.unique(obj[pd.notna(obj)])] if len(obj) else []
+            if name == "phase":
+                values = list(PHASES)
+            index = {v: i for i, v in enumerate(values)}
+            codes = np.array([index.get(str(v), -1) if v is not None else -1 for v in obj], dtype=np.int64)
+        df[name] = pd.Categorical.from_codes(codes, categories=category_index(values), validate=False)
+    for name in ("step", "micro_step", "seq", "call", "n_nan", "n_posinf", "n_neginf", "n_zero", "event"):
+        df[name] = _smallest_int(df[name].to_numpy().astype(np.int64))
+    return df
+
+
 def _smallest_int(a: np.ndarray) -> np.ndarray:
     if a.size == 0:
         return a.astype(np.int32)
@@ -300,66 +339,131 @@ class Store:
 
     def _columns(self, m: np.ndarray, mat: np.ndarray, scale: float) -> dict[str, np.ndarray]:
         col = {name: m[:, i] for i, name in enumerate(_META)}
-        out: dict[str, np.ndarray] = {
-            "step": col["step"].astype(np.int32),
-            "micro_step": col["micro_step"].astype(np.int32),
-            "seq": col["seq"].astype(np.int32),
-            "phase": col["phase"].astype(np.int8),
-            "module": col["module"].astype(np.int32),
-            "module_type": col["module_type"].astype(np.int32),
-            "call": col["call"].astype(np.int32),
-            "tensor": col["tensor"].astype(np.int32),
-            "dtype": col["dtype"].astype(np.int32),
-            "shape": col["shape"].astype(np.int32),
-            "numel": col["numel"].astype(np.int64),
-            "is_grad": col["is_grad"].astype(bool),
-            "parent": col["parent"].astype(np.int32),
-            "arg": col["arg"].astype(np.int32),
-            "event": col["event"].astype(np.int64),
-            "scale": np.where(col["is_grad"].astype(bool), scale, 1.0).astype(np.float32),
-        }
+        out: dict[str, np.ndarray] = {name: _smallest_int(col[name]) for name in _META if name != "is_grad"}
+        out["is_grad"] = col["is_grad"].astype(bool)
+        out["scale"] = np.where(out["is_grad"], scale, 1.0).astype(np.float32)
         for i, name in enumerate(STAT_NAMES):
-            out[name] = mat[:, i]
+            out[name] = _smallest_int(mat[:, i].astype(np.int64)) if name.startswith("n_") else mat[:, i]
         return out
 
+    def nbytes_per_row(self) -> float:
+        """Bytes of in-memory storage per flushed row (numpy chunks, excluding the cached DataFrame)."""
+        rows = sum(len(c["seq"]) for c in self.chunks)
+        size = sum(a.nbytes for c in self.chunks for a in c.values())
+        return size / rows if rows else 0.0
+
+    # ----------------------------------------------------------------- streaming to parquet
+    def stream_to(self, path: Any, every: int) -> None:
+        """Write finished steps to ``path`` (parquet) whenever ``every`` steps are in memory, then drop them."""
+        self.stream_path = path
+        self.stream_every = every
+        self.stream_tmp: Any = None
+        self.writer: Any = None
+        self.spilled_rows = 0
+
+    def maybe_spill(self) -> None:
+        if getattr(self, "stream_path", None) is not None and len(self.chunks) >= self.stream_every:
+            self.spill()
+
+    def spill(self) -> None:
+        """Append every in-memory chunk to the stream file as one row group and free them."""
+        import os
+        import tempfile
+
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not self.chunks:
+            return
+        table = pa.Table.from_pandas(
+            self._frame(self.chunks, plain=True), schema=_stream_schema(), preserve_index=False
+        )
+        if self.writer is None:
+            target = self.stream_path
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+            os.close(fd)
+            self.stream_tmp = tmp
+            self.writer = pq.ParquetWriter(tmp, table.schema, compression="zstd")
+        self.writer.write_table(table)
+        self.spilled_rows += table.num_rows
+        self.chunks = []
+        self._records = None
+
+    def close_stream(self, metadata: dict[bytes, bytes]) -> None:
+        """Spill what is left, write the metadata into the footer and move the file into place."""
+        import os
+
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if self.writer is None:
+            self.writer_schema = _stream_schema()
+            fd_path = self.stream_path
+            empty = pa.Table.from_pandas(
+                self._frame([], plain=True), schema=_stream_schema(), preserve_index=False
+            )
+            import tempfile
+
+            fd, tmp = tempfile.mkstemp(prefix=f".{fd_path.name}.", suffix=".partial", dir=fd_path.parent)
+            os.close(fd)
+            self.stream_tmp = tmp
+            self.writer = pq.ParquetWriter(tmp, empty.schema, compression="zstd")
+            self.writer.write_table(empty)
+        self.spill()
+        self.writer.add_key_value_metadata(metadata)
+        self.writer.close()
+        os.replace(self.stream_tmp, self.stream_path)
+        self.writer = None
+        self.stream_path = None
+
+    # ----------------------------------------------------------------- tables
     # ----------------------------------------------------------------- tables
     def records(self) -> pd.DataFrame:
-        """All flushed rows as a DataFrame with the columns :data:`RECORD_COLUMNS`."""
-        if self._records is not None:
-            return self._records
-        if self.chunks:
-            keys = self.chunks[0].keys()
-            cat = {k: np.concatenate([c[k] for c in self.chunks]) for k in keys}
+        """All flushed rows in memory as a DataFrame with the columns :data:`RECORD_COLUMNS`."""
+        if self._records is None:
+            self._records = self._frame(self.chunks, plain=False)
+        return self._records
+
+    def _frame(self, chunks: list[dict[str, np.ndarray]], *, plain: bool) -> pd.DataFrame:
+        """Rows of ``chunks`` as a DataFrame: categoricals and smallest ints, or (``plain``) strings and the
+        fixed dtypes of the stream file's schema."""
+        if chunks:
+            keys = chunks[0].keys()
+            cat = {k: np.concatenate([c[k] for c in chunks]) for k in keys}
         else:
             cat = self._columns(np.zeros((0, len(_META)), dtype=np.int64), np.zeros((0, N_STATS)), 1.0)
 
-        def categorical(codes: np.ndarray, values: list[str]) -> pd.Categorical:
+        def categorical(codes: np.ndarray, values: list[str]) -> Any:
+            codes = codes.astype(np.int64)
+            if plain:
+                lookup = np.array([*values, None], dtype=object)
+                return lookup[np.where(codes >= 0, codes, len(values))]
             return pd.Categorical.from_codes(codes, categories=category_index(values), validate=False)
 
-        step = cat["step"]
+        def integer(a: np.ndarray, fixed: Any) -> np.ndarray:
+            return a.astype(fixed) if plain else _smallest_int(a.astype(np.int64))
+
         data: dict[str, Any] = {
-            "step": _smallest_int(step.astype(np.int64)),
-            "micro_step": _smallest_int(cat["micro_step"].astype(np.int64)),
-            "seq": _smallest_int(cat["seq"].astype(np.int64)),
-            "phase": categorical(cat["phase"].astype(np.int64), list(PHASES)),
+            "step": integer(cat["step"], np.int64),
+            "micro_step": integer(cat["micro_step"], np.int32),
+            "seq": integer(cat["seq"], np.int64),
+            "phase": categorical(cat["phase"], list(PHASES)),
             "module": categorical(cat["module"], self.modules.values),
             "module_type": categorical(cat["module_type"], self.types.values),
-            "call": _smallest_int(cat["call"].astype(np.int64)),
+            "call": integer(cat["call"], np.int32),
             "tensor": categorical(cat["tensor"], self.tensors.values),
             "dtype": categorical(cat["dtype"], self.dtypes.values),
             "shape": categorical(cat["shape"], self.shapes.values),
-            "numel": cat["numel"],
+            "numel": cat["numel"].astype(np.int64),
         }
         for name in STAT_NAMES:
             v = cat[name]
-            data[name] = _smallest_int(v.astype(np.int64)) if name.startswith("n_") else v
-        data["scale"] = cat["scale"]
+            data[name] = integer(v, np.int64) if name.startswith("n_") else v.astype(np.float64)
+        data["scale"] = cat["scale"].astype(np.float32)
         data["parent"] = categorical(cat["parent"], self.modules.values)
         data["arg"] = categorical(cat["arg"], self.args.values)
-        data["event"] = _smallest_int(cat["event"].astype(np.int64))
-        df = pd.DataFrame(data, columns=list(RECORD_COLUMNS))
-        self._records = df
-        return df
+        data["event"] = integer(cat["event"], np.int64)
+        return pd.DataFrame(data, columns=list(RECORD_COLUMNS))
 
     def ops_frame(self) -> pd.DataFrame:
         """``step, micro_step, module, call, op, kind``: the first torch op inside a module call that produced a

@@ -154,6 +154,8 @@ class Trace:
         sync_free: bool | None = None,
         drill: bool = True,
         every: int = 1,
+        path: str | os.PathLike[str] | None = None,
+        flush_every: int = 100,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}: {model!r:.80}")
@@ -192,6 +194,15 @@ class Trace:
                 f"every must be an int ≥ 1 (record full statistics every N-th step); got {every!r}. "
                 "Use every=1 to record every step."
             )
+        if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
+            raise ValueError(
+                f"flush_every must be an int ≥ 1 (steps kept in memory between writes); got {flush_every!r}"
+            )
+        stream_path: Path | None = None
+        if path is not None:
+            from ._io import _check_target
+
+            stream_path = _check_target(path)
         if not isinstance(drill, bool):
             raise TypeError(f"drill must be True or False; got {drill!r}")
         if sync_free is not None and not isinstance(sync_free, bool):
@@ -214,6 +225,10 @@ class Trace:
         self._rec = Recorder(
             self._store, sync_free=bool(sync_free), record_phases=phase_set, drill=drill, every=every
         )
+        self._stream_path = stream_path
+        self._stream_records: pd.DataFrame | None = None
+        if stream_path is not None:
+            self._store.stream_to(stream_path, flush_every)
         self._handles: list[RemovableHandle] = []
         self._patched: list[tuple[object, str, bool, Any]] = []
         self._entered = False
@@ -227,6 +242,7 @@ class Trace:
             "sync_free": sync_free,
             "drill": drill,
             "every": every,
+            "path": None if stream_path is None else str(stream_path),
             "scaler": type(scaler).__name__ if scaler is not None else None,
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
         }
@@ -267,6 +283,10 @@ class Trace:
         finally:
             self._detach()
             self._closed = True
+            if self._stream_path is not None:
+                from ._io import MAGIC, footer
+
+                self._store.close_stream({MAGIC: footer(self, self._store.records())})
 
     def _attach(self) -> None:
         rec = self._rec
@@ -416,6 +436,7 @@ class Trace:
             lr = self._optimizer.param_groups[0].get("lr")  # a step the scaler skipped: lr still applies
             pending.lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
         self._rec.end_step(_chunk_mask)
+        self._store.maybe_spill()
 
     @classmethod
     def _from_saved(
@@ -427,6 +448,8 @@ class Trace:
         tr.options = dict(header.get("options", {}))
         tr.header = dict(header)
         tr._read_only = True
+        tr._stream_path = None
+        tr._stream_records = None
         tr._entered = True
         tr._closed = True
         tr._rec = Recorder(Store(), sync_free=False, record_phases=frozenset())
@@ -483,7 +506,16 @@ class Trace:
 
     @property
     def records(self) -> pd.DataFrame:
-        """One row per recorded tensor (see README "records columns"); steps closed so far."""
+        """One row per recorded tensor (see README "records columns"); steps closed so far.
+
+        With ``trace(path=...)``, inside ``with`` this holds the steps not yet written to the file (at most
+        ``flush_every``); after exit it is the whole run, read back from the file."""
+        if self._stream_path is not None and self._closed and not self._read_only:
+            if self._stream_records is None:
+                from ._io import read_records
+
+                self._stream_records = read_records(self._stream_path)
+            return self._stream_records
         return self._store.records()
 
     @property
@@ -581,6 +613,8 @@ def trace(
     sync_free: bool | None = None,
     drill: bool = True,
     every: int = 1,
+    path: str | os.PathLike[str] | None = None,
+    flush_every: int = 100,
 ) -> Trace:
     """Record the range and inf/NaN counts of every activation and gradient of ``model``.
 
@@ -611,6 +645,11 @@ def trace(
             tensor costs one ``torch.aminmax`` pass and gets a row only if it holds inf/NaN, so the locator
             still finds the first producer on any step (CPU path; on the ``sync_free`` path every step is
             recorded in full). Default 1.
+        path: stream the trace to this parquet file as it is recorded, for long runs: every ``flush_every``
+            finished steps are appended to the file and dropped from memory; on exit (also after an
+            exception) the file is completed with the ``steps``/``ops`` tables and header and moved into
+            place. ``nantrace.load(path)`` reads the whole run back.
+        flush_every: steps kept in memory between writes when streaming (default 100).
 
     Returns:
         the :class:`Trace` (a context manager).
@@ -619,7 +658,8 @@ def trace(
         TypeError: ``model`` is not an ``nn.Module``, ``scaler`` not a ``GradScaler``, ``optimizer`` not an
             ``Optimizer``, or a ``modules`` item of another type.
         ValueError: ``modules`` is empty or matches no module, ``phases`` is empty or names an unknown
-            phase, or ``every`` is not an int ≥ 1.
+            phase, ``every`` or ``flush_every`` is not an int ≥ 1, or ``path`` is a directory or in a
+            directory that does not exist or is not writable.
         NantraceError (on enter): the model is already being traced.
     """
     return Trace(
@@ -631,4 +671,6 @@ def trace(
         sync_free=sync_free,
         drill=drill,
         every=every,
+        path=path,
+        flush_every=flush_every,
     )

@@ -115,6 +115,8 @@ def scale_history(steps: pd.DataFrame) -> str:
         note = f", {n_skip} skipped" if n_skip else ""
         parts.append(f"{scales[i]:g} ({span}{note})")
         i = j + 1
+    if len(parts) > 8:
+        parts = [*parts[:4], f"… {len(parts) - 7} more …", *parts[-3:]]
     return " → ".join(parts)
 
 
@@ -133,6 +135,22 @@ def summary_lines(tr: Any) -> list[str]:
         finite = [v for v in loss if math.isfinite(v)]
         if finite:
             lines.append(f"loss: first {loss[0]:.4g}, last {loss[-1]:.4g}, min {min(finite):.4g}")
+    return lines
+
+
+def overflow_runs(ovs: pd.DataFrame) -> list[str]:
+    """Consecutive steps with the same first producer, one line each: 'steps 28-49  forward  `m` output inf'."""
+    lines: list[str] = []
+    rows = [tuple(r) for r in ovs[["step", "phase", "module", "tensor", "kind"]].itertuples(index=False)]
+    i = 0
+    while i < len(rows):
+        j = i
+        while j + 1 < len(rows) and rows[j + 1][1:] == rows[i][1:] and rows[j + 1][0] == rows[j][0] + 1:
+            j += 1
+        span = f"step {rows[i][0]}" if i == j else f"steps {rows[i][0]}-{rows[j][0]}"
+        _, phase, module, tensor, kind = rows[i]
+        lines.append(f"  {span:<13} {phase:<9} `{module}` {tensor} {kind}")
+        i = j + 1
     return lines
 
 
@@ -176,12 +194,8 @@ def _report(path: Path) -> int:
         print(f"  {ov}")
         ovs = tr.overflows()
         if len(ovs) > 1:
-            print(f"\nsteps with a non-finite value ({len(ovs)}), first producer of each:")
-            print(
-                ovs[["step", "micro_step", "phase", "module", "tensor", "kind"]]
-                .head(20)
-                .to_string(index=False)
-            )
+            print(f"\nsteps with a non-finite value ({len(ovs)}), by first producer:")
+            print("\n".join(overflow_runs(ovs)))
     diag = _diagnosis_text(tr)
     if diag:
         print(f"\n{diag}")
@@ -287,6 +301,9 @@ def _demo(args: argparse.Namespace) -> int:
             f"locator: first non-finite value at step {ov.step}, {ov.phase}, module `{ov.module}` ({ov.module_type}):"
         )
         print(f"  {ov}")
+        ovs = tr.overflows()
+        print(f"\nsteps with a non-finite value ({len(ovs)}), by first producer:")
+        print("\n".join(overflow_runs(ovs)))
     diag = _diagnosis_text(tr)
     if diag:
         print(f"\n{diag}")

@@ -1,0 +1,1 @@
+"""Small, real example workloads used by ``nantrace demo`` and the documentation."""
