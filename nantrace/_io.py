@@ -151,10 +151,10 @@ def _meta(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise FileNotFoundError(f"no such trace file: {str(p)!r}")
     _, pq = _pa()
     try:
-        schema = pq.read_schema(p)
+        file_meta = pq.ParquetFile(p).metadata.metadata
     except Exception as e:
         raise NantraceError(f"{str(p)!r} is not a nantrace trace (not a parquet file: {e})") from None
-    raw = (schema.metadata or {}).get(MAGIC)
+    raw = (file_meta or {}).get(MAGIC)
     if raw is None:
         raise NantraceError(f"{str(p)!r} is a parquet file but not a nantrace trace (no nantrace metadata)")
     try:
