@@ -11,7 +11,8 @@ lazily and cached until the next flush.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,6 +178,51 @@ def _smallest_int(a: np.ndarray) -> np.ndarray:
     return a.astype(np.int64)
 
 
+class StepRows:
+    """The rows of ``steps``, stored as one ``array('d')`` per column (8 bytes per value, so a long run's
+    steps table stays small); appended and read back as dicts."""
+
+    _INTS = frozenset({"step", "n_nonfinite", "micro_steps", "n_records"})
+
+    def __init__(self) -> None:
+        self.cols: dict[str, array] = {c: array("d") for c in STEP_COLUMNS}
+
+    def __len__(self) -> int:
+        return len(self.cols["step"])
+
+    def append(self, row: dict[str, Any]) -> None:
+        for c, a in self.cols.items():
+            v = row[c]
+            a.append(math.nan if v is None else float(v))
+
+    def _row(self, i: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for c, a in self.cols.items():
+            v = a[i]
+            if c == "skipped":
+                out[c] = None if math.isnan(v) else bool(v)
+            elif c == "growth_tracker":
+                out[c] = None if math.isnan(v) else int(v)
+            elif c in self._INTS:
+                out[c] = int(v)
+            else:
+                out[c] = v
+        return out
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (self._row(i) for i in range(len(self)))
+
+    def head(self, count: int) -> list[dict[str, Any]]:
+        return [self._row(i) for i in range(min(count, len(self)))]
+
+    def replace_head(self, count: int, row: dict[str, Any]) -> None:
+        """Replace the first ``count`` rows by ``row``."""
+        for c, a in self.cols.items():
+            v = row[c]
+            del a[:count]
+            a.insert(0, math.nan if v is None else float(v))
+
+
 @dataclass
 class PendingStep:
     """Scalars of the open step that become one row of ``steps`` at flush."""
@@ -204,7 +250,7 @@ class Store:
         self.pending_meta: list[tuple[int, ...]] = []
         self.pending_stats: list[torch.Tensor | tuple[float, ...]] = []
         self.chunks: list[dict[str, np.ndarray]] = []
-        self.step_rows: list[dict[str, Any]] = []
+        self.step_rows = StepRows()
         # first op inside a module call that made a new non-finite kind (forward replay, host path)
         self.ops: list[tuple[int, int, int, int, str, str]] = []
         self._records: pd.DataFrame | None = None
@@ -317,7 +363,7 @@ class Store:
             chunk["step"] = np.zeros_like(step)
             micro_offset = int(chunk["micro_step"].max()) + 1
             seq_offset = int(chunk["seq"].max())
-        rows = self.step_rows[:count]
+        rows = self.step_rows.head(count)
         losses = [r["loss"] for r in rows if not math.isnan(r["loss"])]
         norms = [r["grad_norm"] for r in rows if not math.isnan(r["grad_norm"])]
         merged = dict(rows[-1])
@@ -329,7 +375,7 @@ class Store:
             micro_steps=sum(max(r["micro_steps"], 1) for r in rows),
             n_records=sum(r["n_records"] for r in rows),
         )
-        self.step_rows[:count] = [merged]
+        self.step_rows.replace_head(count, merged)
         self.ops = [
             (0, m + offsets.get(s, 0), c, call, op, k) if s < count else (s, m, c, call, op, k)
             for s, m, c, call, op, k in self.ops
@@ -475,7 +521,7 @@ class Store:
         """One row per closed step, columns :data:`STEP_COLUMNS`."""
         if self._steps is not None:
             return self._steps
-        rows = self.step_rows
+        rows = list(self.step_rows)
         df = pd.DataFrame(
             {
                 "step": pd.array([r["step"] for r in rows], dtype="int32"),
