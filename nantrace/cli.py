@@ -321,7 +321,9 @@ def _demo(args: argparse.Namespace) -> int:
             fig.savefig(png, dpi=110, bbox_inches="tight")
             written.append(png)
         if ov is not None:
-            for name, fig in _figures(tr, "ranges", ov.step).items():
+            ovs = tr.overflows()
+            fault_step = int(ovs["step"].iloc[-1]) if len(ovs) else ov.step  # the latest, persistent fault
+            for name, fig in _figures(tr, "ranges", fault_step).items():
                 png = out / f"{name}.png"
                 fig.savefig(png, dpi=110, bbox_inches="tight")
                 written.append(png)
