@@ -457,16 +457,17 @@ class _Run:
         return str(hit["op"].iloc[0]) if len(hit) else None
 
     def autocast(self) -> bool:
-        """True when the model inputs were float32 while forward outputs were float16/bfloat16 (autocast)."""
+        """True when forward outputs were float16/bfloat16 while the inputs or the parameters (their gradients
+        or optimizer-phase values) were float32: the signature of ``torch.autocast``. Token-id inputs are
+        integers and not recorded, so the parameters decide for language models."""
         dt = self.records["dtype"].astype(str).to_numpy()
-        data = dt[self.phase == "data"]
-        fwd = dt[(self.phase == "forward") & self.is_output]
-        half = {"float16", "bfloat16"}
-        return (
-            bool(len(data))
-            and not bool(np.isin(data, list(half)).any())
-            and bool(np.isin(fwd, list(half)).any())
-        )
+        tensors = self.records["tensor"].astype(str).to_numpy()
+        half = ["float16", "bfloat16"]
+        fwd_half = bool(np.isin(dt[(self.phase == "forward") & self.is_output], half).any())
+        data_wide = bool((dt[self.phase == "data"] == "float32").any())
+        params = (self.phase == "optimizer") | np.char.endswith(tensors.astype(str), ".grad")
+        params_wide = bool((dt[params] == "float32").any())
+        return fwd_half and (data_wide or params_wide)
 
 
 def _float(v: Any) -> float:

@@ -123,6 +123,9 @@ def save(tr: Trace, path: str | os.PathLike[str]) -> Path:
             pq.write_table(table, f, compression="zstd")
             f.flush()
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a trace is an ordinary file
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -117,7 +117,8 @@ def explain(
         climb = _climb(records, module, step)
         return (
             f"{head}, from finite inputs (input absmax {in_absmax}); {limit}.{climb} "
-            f"Keep {name} in float32 (torch.autocast(..., enabled=False) around it), rescale what feeds it, or use bfloat16."
+            f"Keep {name} in float32 (under autocast: call it inside torch.autocast(..., enabled=False) with a "
+            f".float() input; in a .half() model: .float() it and its input), rescale what feeds it, or use bfloat16."
         )
     if phase == "loss":
         outs = step_df[
@@ -172,10 +173,10 @@ def explain(
 def headroom_table(records: pd.DataFrame, limit: float = FP16_MAX, top: int = 5) -> pd.DataFrame:
     """Modules with the least headroom: ``log2(limit / absmax)`` bits (fp16 limit 65504), smallest first.
 
-    Columns: ``module, module_type, absmax, headroom_bits``; over forward rows and gradients. A module that held
-    ±inf has ``absmax = inf`` and ``headroom_bits = -inf`` (it overflowed).
+    Columns: ``module, module_type, absmax, headroom_bits``; over forward rows (activations; gradients carry the
+    loss scale). A module that held ±inf has ``absmax = inf`` and ``headroom_bits = -inf`` (it overflowed).
     """
-    rows = records[records["phase"].astype(str).isin(["forward", "backward"])]
+    rows = records[records["phase"].astype(str) == "forward"]
     if len(rows) == 0:
         return pd.DataFrame(columns=["module", "module_type", "absmax", "headroom_bits"])
     absmax = rows["absmax"].to_numpy(dtype=np.float64)

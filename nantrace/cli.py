@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,8 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="nantrace",
         description="Find where and why fp16/bf16 PyTorch training goes NaN.",
-        epilog="Exit codes: 0 ok / no overflow, 1 the trace holds an overflow, 2 usage or file error, "
-        "3 an optional extra (matplotlib) is missing.",
+        epilog="Exit codes: 0 done (report: no overflow in the trace), 1 report: the trace holds an overflow, "
+        "2 usage or file error, 3 an optional extra (matplotlib) is missing. demo and plot exit 0 when they "
+        "complete, whatever the trace holds.",
     )
     p.add_argument("--version", action="version", version=f"nantrace {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -260,9 +262,15 @@ def _demo(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        torch.device(device)
+        dev = torch.device(device)
     except RuntimeError as e:
         _err(f"--device {device!r}: {e}")
+        return EXIT_USAGE
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        _err(f"--device {device!r}: this torch has no CUDA device available; use --device cpu")
+        return EXIT_USAGE
+    if dev.type not in ("cpu", "cuda"):
+        _err(f"--device {device!r}: the demo runs on cpu or cuda")
         return EXIT_USAGE
     cfg = DemoConfig(dtype=args.dtype, seed=args.seed, device=device)
     if args.steps is not None:
@@ -275,16 +283,21 @@ def _demo(args: argparse.Namespace) -> int:
     except OSError as e:
         _err(f"--out {str(out)!r}: cannot create it ({e})")
         return EXIT_USAGE
+    if not os.access(out, os.W_OK):
+        _err(f"--out {str(out)!r} is not writable; choose another directory")
+        return EXIT_USAGE
 
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     print(
-        f"nantrace demo: a {cfg.n_layer}-layer character GPT (d_model {cfg.d_model}, no normalisation) on the "
-        f"stdlib's source, {cfg.dtype} autocast + GradScaler, Adam lr {cfg.lr:g}, {cfg.steps} steps, {device}"
+        f"nantrace demo: a {cfg.n_layer}-layer character GPT (d_model {cfg.d_model}, no normalisation inside "
+        "its blocks) on the "
+        f"stdlib's source, {cfg.dtype} autocast + GradScaler, Adam warming up to lr {cfg.lr:g}, {cfg.steps} steps, "
+        f"{device}"
     )
     model, optimizer, scaler, batch_iter = build(cfg)
     from tqdm.auto import tqdm
 
-    bar = tqdm(range(cfg.steps), desc="training", unit="step", disable=args.no_progress, file=sys.stdout)
+    bar = tqdm(range(cfg.steps), desc="training", unit="step", disable=args.no_progress)
     with trace(model, scaler=scaler, optimizer=optimizer) as tr:
         for step in bar:
             x, y = next(batch_iter)
@@ -339,7 +352,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _bf16_note(tr: Any) -> None:
     from ._report import FP16_MAX, headroom_table
 
-    hr = headroom_table(tr.records, top=1000)
+    hr = headroom_table(tr.records, top=10_000)  # forward activations only
     over = hr[hr["absmax"] > FP16_MAX]
     print(
         "\nbfloat16 has float32's 8 exponent bits (max 3.39e38) where float16 has 5 (max 65504): "
@@ -353,6 +366,8 @@ def _bf16_note(tr: Any) -> None:
             index=False
         ):
             print(f"  {str(module) or '(root)'} ({mtype}): absmax {float(absmax):.4g}")
+        if len(over) > 8:
+            print(f"  … and {len(over) - 8} more")
     else:
         print("In this run every value stayed below 65504 as well.")
 
