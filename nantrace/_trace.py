@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -283,6 +284,12 @@ class Trace:
         finally:
             self._detach()
             self._closed = True
+            if exc_type is None and not self._store.chunks and not len(self._store.step_rows):
+                warnings.warn(
+                    f"nantrace.trace recorded nothing: no forward call of the traced {self._model_class} and no "
+                    "scaler/optimizer step happened inside `with`. Is the traced model the one the loop calls?",
+                    stacklevel=2,
+                )
             if self._stream_path is not None:
                 from ._io import MAGIC, footer
 

@@ -194,9 +194,12 @@ def test_records_and_steps_columns_in_design_order() -> None:
         assert g["seq"].is_monotonic_increasing
 
 
-def test_empty_trace_has_the_columns() -> None:
+def test_empty_trace_has_the_columns_and_warns() -> None:
     m = TwoLayer()
-    with nantrace.trace(m) as tr:
+    with (
+        pytest.warns(UserWarning, match="recorded nothing: no forward call of the traced TwoLayer"),
+        nantrace.trace(m) as tr,
+    ):
         pass
     assert list(tr.records.columns[: len(RECORD_COLUMNS)]) == RECORD_COLUMNS
     assert list(tr.steps.columns[: len(STEP_COLUMNS)]) == STEP_COLUMNS
