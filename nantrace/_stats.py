@@ -125,7 +125,12 @@ def stats_host(t: torch.Tensor) -> tuple[float, ...]:
     absmax = max(abs(lo), abs(hi))
     if lo > 0 or hi < 0:  # one sign, no zeros
         return (lo, hi, absmax, lo if lo > 0 else -hi, 0.0, 0.0, 0.0, 0.0)
-    n_zero, absmin = _zeros_and_absmin(x)
+    a = torch.abs(x)
+    if lo < 0 < hi:  # mixed signs: zeros are rare outside ReLU/dropout outputs, so look for them first
+        smallest = float(a.amin())
+        if smallest > 0:
+            return (lo, hi, absmax, smallest, 0.0, 0.0, 0.0, 0.0)
+    n_zero, absmin = _zeros_and_absmin(a)
     return (lo, hi, absmax, absmin, 0.0, 0.0, 0.0, float(n_zero))
 
 
@@ -134,14 +139,14 @@ _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _FLOAT_OF_BITS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 
 
-def _zeros_and_absmin(x: torch.Tensor) -> tuple[int, float]:
-    """Zero count and smallest non-zero ``|x|`` of a finite CPU tensor, in two cheap passes over ``|x|``.
+def _zeros_and_absmin(a: torch.Tensor) -> tuple[int, float]:
+    """Zero count and smallest non-zero value of ``a = |x|`` (a finite CPU tensor, modified in place).
 
     ``|x|`` has its sign bit clear, so its bit pattern read as an unsigned integer orders like its value.
     Subtracting 1 (in place, on the temporary) sends zeros to the largest integer and keeps every other
     value's order, so the minimum plus 1 is the bit pattern of the smallest non-zero ``|x|``.
     """
-    a = torch.abs(x).contiguous().reshape(-1)
+    a = a.contiguous().reshape(-1)
     u = a.view(_INT[a.element_size()]).numpy().view(_UINT[a.element_size()])
     n_zero = int(u.size - np.count_nonzero(u))
     if n_zero == u.size:
