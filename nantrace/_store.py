@@ -61,18 +61,9 @@ STEP_COLUMNS: tuple[str, ...] = (
     "n_records",
 )
 
+# one row of hook metadata: the identifying columns of RECORD_COLUMNS (up to numel), then internal fields
 _META: tuple[str, ...] = (
-    "step",
-    "micro_step",
-    "seq",
-    "phase",
-    "module",
-    "module_type",
-    "call",
-    "tensor",
-    "dtype",
-    "shape",
-    "numel",
+    *RECORD_COLUMNS[: RECORD_COLUMNS.index("numel") + 1],
     "is_grad",
     "parent",
     "arg",
