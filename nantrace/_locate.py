@@ -8,7 +8,8 @@ loss, backward in execution order, optimizer — within each micro-step:
 2. A kind that first shows up at a module's *input* was made by the enclosing module's own ``forward`` (an op
    between its children): that enclosing module (the row's ``parent``) is reported.
 3. An attention mask is not a fault. A tensor is a mask when it holds no NaN or +inf and either its name says so
-   (the forward parameter it was passed as, or its path, contains ``"mask"``) or every value is 0 or -inf. Its
+   (the forward parameter it was passed as, or its path, contains ``"mask"`` or ``"bias"``, as in
+   ``attention_mask`` or ``attn_bias``) or every value is 0 or -inf. Its
    -inf is recorded (``n_neginf``) but never reported, and passing it on is not producing it. NaN/+inf, or -inf
    in a model input that is not a mask (e.g. ``log(0)`` in a feature), is a ``data`` fault.
 4. ``loss``: outputs were finite but the loss, or the gradient arriving at the outputs, was not.
@@ -89,8 +90,17 @@ class Overflow:
 
 
 # ---------------------------------------------------------------------------------------------- masks
+MASK_WORDS = ("mask", "bias")  # attention_mask, src_mask, attn_bias, position_bias, alibi_bias, ...
+
+
+def mask_named(name: str) -> bool:
+    """True when a parameter name or tensor path says it is an additive attention mask or bias."""
+    low = name.lower()
+    return any(w in low for w in MASK_WORDS)
+
+
 def _names_mask(values: Any) -> np.ndarray:
-    return np.array(["mask" in str(v).lower() for v in values], dtype=bool)
+    return np.array([mask_named(str(v)) for v in values], dtype=bool)
 
 
 def mask_rows(

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._hooks import Recorder, eager
-from ._locate import Overflow, locate, mask_rows, overflows
+from ._locate import Overflow, locate, mask_named, mask_rows, overflows
 from ._store import PHASES, Store
 
 if TYPE_CHECKING:
@@ -121,8 +121,8 @@ def _compile_filter(modules: ModuleFilter | None) -> Callable[[str, nn.Module], 
 
 
 def _chunk_mask(chunk: dict[str, np.ndarray], store: Store) -> np.ndarray:
-    tnames = np.array(["mask" in v.lower() for v in store.tensors.values] + [False], dtype=bool)
-    anames = np.array(["mask" in v.lower() for v in store.args.values] + [False], dtype=bool)
+    tnames = np.array([mask_named(v) for v in store.tensors.values] + [False], dtype=bool)
+    anames = np.array([mask_named(v) for v in store.args.values] + [False], dtype=bool)
     named = tnames[chunk["tensor"]] | anames[chunk["arg"]]  # code -1 picks the trailing False
     phase = chunk["phase"]
     return mask_rows(

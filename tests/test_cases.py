@@ -421,3 +421,24 @@ def test_first_overflow_rejects_unknown_kind(kind: object) -> None:
         m(torch.ones(1, 2))
     with pytest.raises(ValueError, match="kind"):
         tr.first_overflow(kind=kind)  # type: ignore[arg-type]
+
+
+def test_additive_attention_bias_named_bias_is_a_mask_not_data() -> None:
+    """ALiBi-style bias: finite slopes plus a causal -inf, passed as `attn_bias`: not a data fault."""
+
+    class Biased(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+            scores = self.proj(x) @ x.transpose(-1, -2) + attn_bias
+            return torch.softmax(scores, dim=-1) @ x
+
+    bias = torch.tensor([[0.0, -math.inf, -math.inf], [-0.5, 0.0, -math.inf], [-1.0, -0.5, 0.0]])
+    m = Biased()
+    with nantrace.trace(m) as tr:
+        m(torch.randn(3, 4), attn_bias=bias)
+    assert tr.records.query("phase == 'data' and arg == 'attn_bias'")["n_neginf"].tolist() == [3]
+    assert tr.first_overflow() is None
+    assert tr.steps["n_nonfinite"].tolist() == [0]
