@@ -130,9 +130,22 @@ def explain(
         which = (
             "the loss" if str(tensor).startswith("loss") else "the gradient arriving at the model's outputs"
         )
+        head = f"At {where} the model's outputs were finite (absmax {_g(_finite_absmax(outs))}) but {which} was {what} ({dtype})."
+        scale = float(row["scale"]) if "scale" in row else 1.0
+        if not str(tensor).startswith("loss") and scale != 1.0:
+            losses = step_df[
+                (step_df["phase"].astype(str) == "loss")
+                & step_df["tensor"].astype(str).str.startswith("loss")
+            ]
+            loss_ok = len(losses) == 0 or int(losses[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum()) == 0
+            if loss_ok:
+                return (
+                    f"{head} The loss itself was finite: the gradient overflowed because it is multiplied by the loss "
+                    f"scale {scale:g}. A GradScaler skips such a step and lowers the scale; if it keeps happening, "
+                    "start from a lower init_scale or reduce the loss (e.g. a mean instead of a sum)."
+                )
         return (
-            f"At {where} the model's outputs were finite (absmax {_g(_finite_absmax(outs))}) but {which} was {what} "
-            f"({dtype}). Compute the loss in float32 (e.g. F.cross_entropy(logits.float(), y)) and use log_softmax "
+            f"{head} Compute the loss in float32 (e.g. F.cross_entropy(logits.float(), y)) and use log_softmax "
             "rather than log(softmax(...))."
         )
     if phase == "backward":

@@ -4,6 +4,7 @@ questions about what it recorded."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import os
 import warnings
@@ -531,6 +532,17 @@ class Trace:
         n_nonfinite`` (plus ``micro_steps, n_records``)."""
         return self._store.steps()
 
+    def _hides_submodules_of(self, module: str) -> bool:
+        """True when a ``modules=`` filter left a submodule of ``module`` untraced (recording traces only)."""
+        if self._read_only or self.options.get("modules") is None:
+            return False
+        model = self._model_ref()
+        if model is None:
+            return False
+        traced = {n for n, _ in self._selected}
+        prefix = f"{module}." if module else ""
+        return any(n.startswith(prefix) and n != module and n not in traced for n, _ in module_names(model))
+
     @property
     def ops(self) -> pd.DataFrame:
         """Forward drill-down: ``step, micro_step, module, call, op, kind`` for each module call where a
@@ -547,7 +559,14 @@ class Trace:
         Raises:
             ValueError: ``kind`` is none of those.
         """
-        return locate(self.records, kind, self.steps, self.ops)
+        ov = locate(self.records, kind, self.steps, self.ops)
+        if ov is not None and ov.phase in ("forward", "backward") and self._hides_submodules_of(ov.module):
+            note = (
+                f" (Only the modules matching modules={self.options['modules']} were traced: an untraced "
+                "submodule inside the reported one may be the real producer.)"
+            )
+            ov = dataclasses.replace(ov, message=ov.message + note)
+        return ov
 
     def overflows(self, kind: str | None = None) -> pd.DataFrame:
         """One row per step that saw a non-finite value, with that step's first producer (``Overflow`` fields

@@ -40,3 +40,32 @@ def test_phases_subset_records_only_those_phases() -> None:
         m(torch.ones(1, 2, dtype=torch.float16)).float().sum().backward()
     assert set(tr.records["phase"].astype(str)) == {"forward"}
     assert len(tr.records) == 7  # 3 modules × (input, output) and the root output
+
+
+def test_filter_that_hides_a_submodule_says_so_in_the_explanation() -> None:
+    m = _blowup_model()
+    with nantrace.trace(m, modules="0") as tr, torch.no_grad():
+        m(torch.full((1, 2), 20000.0, dtype=torch.float16))  # m[2] overflows, but only m[0] is traced
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.module, ov.phase) == ("", "forward")
+    assert "an untraced submodule inside the reported one may be the real producer" in str(ov)
+    with nantrace.trace(m, modules="2") as tr2, torch.no_grad():
+        m(torch.full((1, 2), 20000.0, dtype=torch.float16))
+    ov2 = tr2.first_overflow()
+    assert ov2 is not None and ov2.module == "2" and "untraced" not in str(ov2)
+
+
+def test_gradient_overflow_at_the_outputs_from_the_loss_scale_says_so() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
+    with nantrace.trace(model, scaler=scaler, optimizer=opt) as tr:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.ones(1, 2))
+        scaler.scale(out.float().sum()).backward()  # d(loss)/d(out) = 2**20 > 65504 in float16
+        scaler.step(opt)
+        scaler.update()
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.phase, ov.tensor, ov.kind) == ("loss", "grad_output[0]", "inf")
+    assert "multiplied by the loss scale 1.04858e+06" in str(ov)
+    assert tr.steps["skipped"].tolist() == [True]
