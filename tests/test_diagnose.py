@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from test_cases import C01Model, C06Model, Gate, Residual  # the CASES models, shared
 from torch import nn
 
 import nantrace
@@ -53,30 +54,6 @@ def _amp_loop(
 
 
 # ============================================================================================ CASES.md
-class RMSNorm(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6)
-
-
-class T5FF(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.wi = nn.Linear(16, 64)
-        self.act = nn.ReLU()
-        self.wo = nn.Linear(64, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.wo(self.act(self.wi(x)))
-
-
-class C01Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ff = T5FF()
-        self.norm = RMSNorm()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.ff(x))
 
 
 def _c01(wo_weight: float = 1.0) -> C01Model:
@@ -100,15 +77,6 @@ def test_c01_t5_feed_forward_is_forward_overflow_with_specific_advice() -> None:
     assert "ff.wo" in text and "float16" in text and "65504" in text and "1100" in text
     assert any("ff.wo" in a and "float32" in a for a in d.advice)
     assert any("bfloat16" in a for a in d.advice)
-
-
-class Residual(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc(x)
 
 
 def test_c02_residual_add_is_forward_overflow_in_the_blocks_own_code() -> None:
@@ -201,22 +169,6 @@ def test_c05_log_of_zero_count_is_data() -> None:
     assert d.overflow is not None and (d.overflow.step, d.overflow.phase) == (2, "data")
     assert any("step 2" in a for a in d.advice)
     assert any("log" in a for a in d.advice)
-
-
-class Gate(nn.Module):
-    def forward(self, p: torch.Tensor) -> torch.Tensor:
-        y = torch.log1p(-p.clamp(max=1 - 1e-6))
-        return torch.where(p < 0.5, y, torch.zeros_like(y))
-
-
-class C06Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(4, 4)
-        self.gate = Gate()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gate(torch.sigmoid(self.proj(x)) + x)
 
 
 def test_c06_backward_zero_times_inf_is_invalid_op() -> None:
