@@ -330,11 +330,14 @@ class Recorder:
         tcode: int,
         call: int,
         items: list[tuple[str, torch.Tensor]],
+        head: str,
         parent: int,
     ) -> None:
-        """Register gradient hooks on the tensors of ``items`` that will receive a gradient."""
+        """Register gradient hooks on the tensors of ``items`` that will receive a gradient, named with
+        ``head`` (``grad_input``/``grad_output``) in place of ``input``/``output``."""
         if phase not in self.phases or not torch.is_grad_enabled():
             return
+        items = _rename(items, head)
         for path, t in items:
             if t.requires_grad and describable(t):
                 h = t.register_hook(self.grad_hook(phase, mcode, tcode, call, path, parent))
@@ -380,7 +383,7 @@ class Recorder:
                 in_kinds = None
             if in_kinds:
                 self.seen_kinds |= in_kinds
-            self.watch_grads("backward", mcode, tcode, call, _rename(items, "grad_input"), parent)
+            self.watch_grads("backward", mcode, tcode, call, items, "grad_input", parent)
             versions = tuple(_version(t) for _, t in items) if in_kinds is not None and self.drill else ()
             self.stack.append((mcode, call, in_kinds, versions))
             if is_root:
@@ -416,7 +419,7 @@ class Recorder:
                 if out_kinds:
                     self.seen_kinds |= out_kinds
             phase = "loss" if is_root and self.root_depth == 0 else "backward"
-            self.watch_grads(phase, mcode, tcode, call, _rename(items, "grad_output"), parent)
+            self.watch_grads(phase, mcode, tcode, call, items, "grad_output", parent)
 
         return eager(pre), eager(post)
 

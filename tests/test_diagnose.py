@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from test_cases import C01Model, C06Model, Gate, Residual  # the CASES models, shared
+from test_cases import AttnModel, C01Model, C06Model, Gate, Residual  # the CASES models, shared
 from torch import nn
 
 import nantrace
@@ -92,30 +92,6 @@ def test_c02_residual_add_is_forward_overflow_in_the_blocks_own_code() -> None:
     assert d.cause == "forward_overflow"
     assert d.overflow is not None and d.overflow.module == "block"
     assert any("own forward" in a and "block" in a for a in d.advice)
-
-
-class HandAttention(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.q = nn.Linear(d, d, bias=False)
-        self.k = nn.Linear(d, d, bias=False)
-        self.v = nn.Linear(d, d, bias=False)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        scores = self.q(x) @ self.k(x).transpose(-1, -2)
-        if mask is not None:
-            scores = scores + mask
-        e = torch.exp(scores - scores.amax(-1, keepdim=True))
-        return (e / e.sum(-1, keepdim=True)) @ self.v(x)
-
-
-class AttnModel(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.attn = HandAttention(d)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.attn(x, mask)
 
 
 def test_c03_attention_scores_are_forward_overflow_with_scaling_advice() -> None:
