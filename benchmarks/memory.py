@@ -36,7 +36,7 @@ def fill(store: Store, rec: Recorder, modules: int) -> None:
     store.shapes.code("(8, 64)")
     stats = (-1.5, 2.5, 2.5, 0.001, 0.0, 0.0, 0.0, 3.0)
     for i, m in enumerate(codes):
-        meta = (rec.step, 0, i + 1, 1, m, tcode, 0, ocode, dcode, scode, 512, 0, 0, -1, i + 1)
+        meta = (rec.step, 0, i + 1, 1, m, tcode, 0, ocode, dcode, scode, 512, 0, 0, -1, i + 1, 0)
         store.add(meta, stats)
 
 

@@ -17,8 +17,9 @@ import json
 import os
 import platform
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import pandas as pd
 import torch
@@ -99,6 +100,8 @@ def header(tr: Trace, records: pd.DataFrame | None = None) -> dict[str, Any]:
         "model_class": tr._model_class,
         "dtypes": sorted({str(d) for d in rec["dtype"].astype(str).unique()}) if len(rec) else [],
         "options": tr.options,
+        "rank": getattr(tr, "rank", 0),
+        "world_size": getattr(tr, "world_size", 1),
     }
 
 
@@ -111,21 +114,33 @@ def footer(tr: Trace, records: pd.DataFrame | None = None) -> bytes:
 def save(tr: Trace, path: str | os.PathLike[str]) -> Path:
     """Write ``tr`` to ``path`` atomically; returns the path. See :meth:`nantrace.Trace.save`."""
     pa, pq = _pa()
-    target = _check_target(path)
+    if not tr._read_only and tr.world_size > 1 and tr.rank is not None:
+        from ._dist import part_target  # one part per rank in a folder at ``path``
+
+        target = part_target(path, tr.rank, tr.world_size)
+    else:
+        target = _check_target(path)
     records = tr.records
     table = pa.Table.from_pandas(records, preserve_index=False)
     schema_meta = dict(table.schema.metadata or {})
     schema_meta[MAGIC] = footer(tr, records)
     table = table.replace_schema_metadata(schema_meta)
+    return atomic_write(target, lambda f: pq.write_table(table, f, compression="zstd"))
+
+
+def atomic_write(target: Path, write: Callable[[BinaryIO], object]) -> Path:
+    """Call ``write(f)`` on a temporary file next to ``target``, flush it to disk, then rename it over
+    ``target`` (``os.replace``): an interrupted write leaves the old file or none, never a half-written one.
+    The file gets the ordinary mode (0666 minus the umask); the temporary file is removed on any error."""
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            pq.write_table(table, f, compression="zstd")
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a trace is an ordinary file
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -184,15 +199,26 @@ def load(path: str | os.PathLike[str]) -> Trace:
 
     Its ``records``, ``steps``, ``ops``, ``first_overflow()``, ``overflows()`` and reprs equal the original's.
 
+    A folder that the ranks of a ``torch.distributed`` run saved into (same ``path`` on every rank) loads as one
+    trace merged from all rank parts: every row keeps its ``rank``, and the locator works across ranks.
+
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        NantraceError: ``path`` is not a trace, or comes from an incompatible format version.
+        NantraceError: ``path`` is not a trace, or comes from an incompatible format version; a folder without
+            rank parts, or with parts of several world sizes.
     """
     from ._trace import Trace
+
+    if isinstance(path, (str, os.PathLike)) and Path(path).is_dir():
+        from ._dist import load_folder
+
+        return Trace._from_saved(*load_folder(Path(path)))
 
     meta = _meta(path)
     _, _pq = _pa()
     records = read_records(path)
     steps = _from_ipc(meta["steps"])
+    if "rank" not in steps.columns:  # written before the rank column existed: one process, rank 0
+        steps["rank"] = pd.array([meta["header"].get("rank") or 0] * len(steps), dtype="int32")
     ops = _from_ipc(meta["ops"])
     return Trace._from_saved(records, steps, ops, meta["header"])

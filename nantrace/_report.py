@@ -226,7 +226,7 @@ def _summary(tr: Trace) -> dict[str, Any]:
     dtypes = rec["dtype"].astype(str).value_counts().to_dict() if len(rec) else {}
     skipped = int(st["skipped"].fillna(False).sum()) if len(st) else 0
     return {
-        "steps": len(st),
+        "steps": int(st["step"].nunique()) if len(st) else 0,  # a merged trace has a row per step and rank
         "records": len(rec),
         "dtypes": dtypes,
         "skipped": skipped,

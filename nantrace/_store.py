@@ -45,6 +45,8 @@ RECORD_COLUMNS: tuple[str, ...] = (
     "parent",  # enclosing module of the call that recorded this tensor ("" = root; None for the root itself)
     "arg",  # the forward parameter name an input tensor was passed as, when known
     "event",  # rows sharing one tensor value (an output that is also the next module's input) share this id
+    "rank",  # torch.distributed rank that recorded the row (0 without a process group)
+    "reduced",  # a parameter gradient after the cross-rank reduction (DDP all-reduce, FSDP reduce-scatter)
 )
 
 STEP_COLUMNS: tuple[str, ...] = (
@@ -59,6 +61,7 @@ STEP_COLUMNS: tuple[str, ...] = (
     "n_nonfinite",
     "micro_steps",
     "n_records",
+    "rank",  # extension: torch.distributed rank (0 without a process group)
 )
 
 # one row of hook metadata: the identifying columns of RECORD_COLUMNS (up to numel), then internal fields
@@ -68,6 +71,7 @@ _META: tuple[str, ...] = (
     "parent",
     "arg",
     "event",
+    "reduced",
 )
 
 
@@ -123,7 +127,7 @@ def _stream_schema() -> Any:
     import pyarrow as pa
 
     string = {"phase", "module", "module_type", "tensor", "dtype", "shape", "parent", "arg"}
-    types = {"micro_step": pa.int32(), "call": pa.int32(), "scale": pa.float32()}
+    types = {"micro_step": pa.int32(), "call": pa.int32(), "scale": pa.float32(), "reduced": pa.bool_()}
     fields = []
     for name in RECORD_COLUMNS:
         if name in string:
@@ -139,7 +143,13 @@ def _stream_schema() -> Any:
 
 def canonical_records(df: pd.DataFrame) -> pd.DataFrame:
     """Records read from a file in the recorder's dtypes: categorical text columns (categories in order of
-    first appearance, pandas' default string dtype) and the smallest integer dtypes."""
+    first appearance, pandas' default string dtype) and the smallest integer dtypes. Files written before the
+    ``rank``/``reduced`` columns existed read as rank 0, not reduced."""
+    if "rank" not in df.columns:
+        df["rank"] = 0
+    if "reduced" not in df.columns:
+        df["reduced"] = False
+    df["reduced"] = df["reduced"].fillna(False).astype(bool)
     for name in ("phase", "module", "module_type", "tensor", "dtype", "shape", "parent", "arg"):
         col = df[name]
         if isinstance(col.dtype, pd.CategoricalDtype):
@@ -153,7 +163,8 @@ def canonical_records(df: pd.DataFrame) -> pd.DataFrame:
             index = {v: i for i, v in enumerate(values)}
             codes = np.array([index.get(str(v), -1) if v is not None else -1 for v in obj], dtype=np.int64)
         df[name] = pd.Categorical.from_codes(codes, categories=category_index(values), validate=False)
-    for name in ("step", "micro_step", "seq", "call", "n_nan", "n_posinf", "n_neginf", "n_zero", "event"):
+    ints = ("step", "micro_step", "seq", "call", "n_nan", "n_posinf", "n_neginf", "n_zero", "event", "rank")
+    for name in ints:
         df[name] = _smallest_int(df[name].to_numpy().astype(np.int64))
     return df
 
@@ -173,7 +184,7 @@ class StepRows:
     """The rows of ``steps``, stored as one ``array('d')`` per column (8 bytes per value, so a long run's
     steps table stays small); appended and read back as dicts."""
 
-    _INTS = frozenset({"step", "n_nonfinite", "micro_steps", "n_records"})
+    _INTS = frozenset({"step", "n_nonfinite", "micro_steps", "n_records", "rank"})
 
     def __init__(self) -> None:
         self.cols: dict[str, array] = {c: array("d") for c in STEP_COLUMNS}
@@ -231,7 +242,8 @@ class PendingStep:
 class Store:
     """Recorded rows of a trace: pending rows of the open step, and flushed numpy chunks."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank  # torch.distributed rank of the process recording (a constant column)
         self.modules = Interner([""])
         self.types = Interner()
         self.tensors = Interner()
@@ -328,6 +340,7 @@ class Store:
                 "n_nonfinite": n_nonfinite,
                 "micro_steps": pending.micro_steps,
                 "n_records": n,
+                "rank": self.rank,
             }
         )
         self._records = None
@@ -376,8 +389,11 @@ class Store:
 
     def _columns(self, m: np.ndarray, mat: np.ndarray, scale: float) -> dict[str, np.ndarray]:
         col = {name: m[:, i] for i, name in enumerate(_META)}
-        out: dict[str, np.ndarray] = {name: _smallest_int(col[name]) for name in _META if name != "is_grad"}
+        out: dict[str, np.ndarray] = {
+            name: _smallest_int(col[name]) for name in _META if name not in ("is_grad", "reduced")
+        }
         out["is_grad"] = col["is_grad"].astype(bool)
+        out["reduced"] = col["reduced"].astype(bool)
         out["scale"] = np.where(out["is_grad"], scale, 1.0).astype(np.float32)
         for i, name in enumerate(STAT_NAMES):
             out[name] = _smallest_int(mat[:, i].astype(np.int64)) if name.startswith("n_") else mat[:, i]
@@ -500,6 +516,10 @@ class Store:
         data["parent"] = categorical(cat["parent"], self.modules.values)
         data["arg"] = categorical(cat["arg"], self.args.values)
         data["event"] = integer(cat["event"], np.int64)
+        data["rank"] = np.full(len(data["step"]), self.rank, dtype=np.int64 if plain else np.int32)
+        if not plain:
+            data["rank"] = _smallest_int(data["rank"])
+        data["reduced"] = cat["reduced"].astype(bool)
         return pd.DataFrame(data, columns=list(RECORD_COLUMNS))
 
     def ops_frame(self) -> pd.DataFrame:
@@ -526,6 +546,7 @@ class Store:
                 "n_nonfinite": pd.array([r["n_nonfinite"] for r in rows], dtype="int32"),
                 "micro_steps": pd.array([r["micro_steps"] for r in rows], dtype="int32"),
                 "n_records": pd.array([r["n_records"] for r in rows], dtype="int64"),
+                "rank": pd.array([r["rank"] for r in rows], dtype="int32"),
             },
             columns=list(STEP_COLUMNS),
         )

@@ -1,0 +1,570 @@
+"""torch.distributed: every rank of a DDP (and FSDP2) job records its own trace, saves its part to the same path,
+and the merged trace names the rank, step and layer that produced the first non-finite value.
+
+Two processes are spawned once (``torch.multiprocessing``, spawn start method) on the gloo backend on CPU; inside
+one process group they run every scenario in turn, each a fresh DDP model of the same tiny purpose-built net
+under float16 autocast with a GradScaler, and save to a folder per scenario. The tests then load those folders
+in this process and check exact answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import nantrace
+from nantrace._trace import module_names
+
+WORLD = 2
+STEPS = 4
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Net(nn.Module):
+    """fc1 (weights 0.5, so a batch of 3e4 overflows float16 in its output: 4 * 0.5 * 3e4 = 6e4 + ...) → ReLU →
+    fc2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(8, 2)
+        with torch.no_grad():
+            self.fc1.weight.fill_(0.5)
+            self.fc1.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def batch(rank: int, step: int, scenario: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    x = torch.randn(3, 4, generator=g)
+    if scenario == "nan_data" and rank == 1 and step == 2:
+        x[0, 0] = float("nan")
+    if scenario == "fwd_overflow" and rank == 0 and step == 1:
+        x = torch.full((3, 4), 4.0e4)  # finite in float16 (max 65504); fc1 output 4 * 0.5 * 4e4 = 8e4 is not
+    return x
+
+
+def run(
+    rank: int, scenario: str, out: Path, live_every: int | None = None, stream: Path | None = None
+) -> nantrace.Trace:
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(Net())
+    if scenario == "compress":  # all-reduce in float16: gradients above 2 * 65504 overflow in the reduction
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        model.register_comm_hook(None, fp16_compress_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    with nantrace.trace(
+        model, scaler=scaler, optimizer=opt, live_every=live_every, path=stream, flush_every=2
+    ) as tr:
+        for step in range(STEPS):
+            x = batch(rank, step, scenario)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=scenario != "compress"):
+                y = model(x)  # "compress" runs in float32, so that only the float16 reduction can overflow
+            loss = y.float().pow(2).mean()
+            if scenario == "compress" and step == 1:
+                loss = loss * 1e6  # finite float32 gradients on every rank, too large for float16
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    tr.save(out / scenario)
+    return tr
+
+
+def run_fsdp2(rank: int, out: Path) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Net()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    fully_shard(model.fc1, mesh=mesh)
+    fully_shard(model.fc2, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nantrace.trace(model, optimizer=opt) as tr:
+        for step in range(2):
+            x = batch(rank, step, "nan_data")
+            if rank == 1 and step == 1:
+                x[1, 2] = float("nan")
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    tr.save(out / "fsdp2")
+    return {"names": [n for n, _ in module_names(model)]}
+
+
+def run_fsdp1(rank: int, out: Path) -> dict[str, Any]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(
+        Net(),
+        device_id=torch.device("cpu"),
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        use_orig_params=True,
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nantrace.trace(model, optimizer=opt) as tr:
+        for step in range(2):
+            x = batch(rank, step, "healthy")
+            if rank == 1 and step == 1:
+                x[2, 0] = float("nan")
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    tr.save(out / "fsdp1")
+    return {
+        "wrapped": [n for n, _ in model.named_modules()],
+        "names": [n for n, _ in module_names(model)],
+    }
+
+
+def worker(rank: int, port: int, out: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        folder = Path(out)
+        info: dict[str, Any] = {}
+        for scenario in ("nan_data", "fwd_overflow", "compress"):
+            tr = run(rank, scenario, folder)
+            info[scenario] = {"rank": tr.rank, "world_size": tr.world_size}
+        run(rank, "healthy", folder, stream=folder / "healthy_stream")
+        live = run(rank, "nan_data", folder / "live", live_every=2)
+        info["live"] = live.live_reports
+        info["live_checks"] = live._live.checks if live._live is not None else None
+        info["fsdp2"] = run_fsdp2(rank, folder)
+        info["fsdp1"] = run_fsdp1(rank, folder)
+        (folder / f"info-{rank}.json").write_text(json.dumps(info))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ddp")
+    (out / "live").mkdir()
+    mp.start_processes(worker, args=(free_port(), str(out)), nprocs=WORLD, start_method="spawn")
+    return out
+
+
+def info(runs: Path, rank: int) -> dict[str, Any]:
+    return dict(json.loads((runs / f"info-{rank}.json").read_text()))
+
+
+# ------------------------------------------------------------------------------------------------ (1) data NaN
+def test_nan_in_rank1_batch_is_a_data_fault_of_rank1_and_received_by_rank0(runs: Path) -> None:
+    assert sorted(p.name for p in (runs / "nan_data").iterdir()) == [
+        "rank-00000-of-00002.nantrace",
+        "rank-00001-of-00002.nantrace",
+    ]
+    tr = nantrace.load(runs / "nan_data")
+    assert (tr.rank, tr.world_size, tr.ranks) == (None, 2, [0, 1])
+    ov = tr.first_overflow()
+    assert ov is not None
+    assert (ov.rank, ov.step, ov.micro_step, ov.phase, ov.module, ov.tensor, ov.kind, ov.propagated) == (
+        1,
+        2,
+        0,
+        "data",
+        "",
+        "input[0]",
+        "nan",
+        False,
+    )
+    assert str(ov).startswith(
+        "Rank 1 of 2 produced it. At step 2 the model input `input[0]` already held 1 NaN"
+    )
+    assert str(ov).endswith(
+        "Rank 0 only received it through the gradient reduction (propagated, not produced)."
+    )
+    # every step once, by its cross-rank producer
+    ovs = tr.overflows()
+    assert ovs[["step", "rank", "phase", "module", "propagated"]].values.tolist() == [
+        [2, 1, "data", "", False]
+    ]
+    # per rank: rank 0 holds NaN only in its gradients after DDP's all-reduce
+    per = tr.overflows(per_rank=True)
+    assert per[["step", "rank", "phase", "module", "tensor", "kind", "propagated"]].values.tolist() == [
+        [2, 0, "backward", "fc1", "weight.grad", "nan", True],  # reduced rows are recorded in parameter order
+        [2, 1, "data", "", "input[0]", "nan", False],
+    ]
+    rec = tr.records
+    r0 = rec[(rec["rank"] == 0) & (rec["step"] == 2)]
+    bad = r0[(r0["n_nan"] + r0["n_posinf"] + r0["n_neginf"]) > 0]
+    assert bad["reduced"].all() and bad["phase"].astype(str).eq("backward").all()
+    assert sorted(bad["module"].astype(str) + "." + bad["tensor"].astype(str)) == [
+        "fc1.bias.grad",
+        "fc1.weight.grad",
+        "fc2.bias.grad",
+        "fc2.weight.grad",
+    ]
+    # the local parameter gradients of rank 0 at step 2 were finite; the reduced ones are one row per parameter
+    local_grads = r0[~r0["reduced"] & r0["tensor"].astype(str).str.endswith(".grad")]
+    assert len(local_grads) == 4 and int(local_grads["n_nan"].sum()) == 0
+    assert len(rec[rec["reduced"]]) == WORLD * STEPS * 4
+    # the scaler skipped step 2 on both ranks (the reduced gradients are the same everywhere)
+    st = tr.steps
+    assert st[["step", "rank"]].values.tolist() == [[s, r] for s in range(STEPS) for r in range(WORLD)]
+    assert st.loc[st["skipped"].astype(bool), ["step", "rank"]].values.tolist() == [[2, 0], [2, 1]]
+    d = tr.diagnose()
+    assert d.cause == "data" and d.overflow is not None and d.overflow.rank == 1
+    assert d.summary.startswith("Rank 1: ")
+
+
+def test_rank_names_unwrapped_and_each_part_knows_its_rank(runs: Path) -> None:
+    assert info(runs, 0)["nan_data"] == {"rank": 0, "world_size": 2}
+    assert info(runs, 1)["nan_data"] == {"rank": 1, "world_size": 2}
+    tr = nantrace.load(runs / "nan_data")
+    rec = tr.records
+    for r in range(WORLD):
+        names = sorted(set(rec.loc[rec["rank"] == r, "module"].astype(str)))
+        assert names == ["", "act", "fc1", "fc2"]
+    root = rec[(rec["module"].astype(str) == "") & (rec["phase"].astype(str) != "loss")]
+    assert set(root["module_type"].astype(str)) == {"Net"}
+    # one rank's part alone: that rank only received the NaN, and does not claim to have produced it
+    part0 = nantrace.load(runs / "nan_data" / "rank-00000-of-00002.nantrace")
+    assert (part0.rank, part0.world_size, part0.ranks) == (0, 2, [0])
+    ov0 = part0.first_overflow()
+    assert ov0 is not None
+    assert (ov0.rank, ov0.step, ov0.phase, ov0.module, ov0.tensor, ov0.propagated) == (
+        0,
+        2,
+        "backward",
+        "fc1",
+        "weight.grad",
+        True,
+    )
+    assert "rank 0 received it and did not produce it" in str(ov0)
+    part1 = nantrace.load(runs / "nan_data" / "rank-00001-of-00002.nantrace")
+    ov1 = part1.first_overflow()
+    assert ov1 is not None and (ov1.rank, ov1.phase, ov1.propagated) == (1, "data", False)
+
+
+# ------------------------------------------------------------------------------------------------ (2) forward
+def test_forward_overflow_on_rank0_only(runs: Path) -> None:
+    tr = nantrace.load(runs / "fwd_overflow")
+    ov = tr.first_overflow()
+    assert ov is not None
+    assert (ov.rank, ov.step, ov.phase, ov.module, ov.module_type, ov.tensor, ov.kind, ov.dtype) == (
+        0,
+        1,
+        "forward",
+        "fc1",
+        "Linear",
+        "output",
+        "inf",
+        "float16",
+    )
+    per = tr.overflows(per_rank=True)
+    assert per[["step", "rank", "phase", "propagated"]].values.tolist() == [
+        [1, 0, "forward", False],
+        [1, 1, "backward", True],
+    ]
+    assert tr.diagnose().cause == "forward_overflow"
+
+
+def test_overflow_made_by_the_reduction_itself(runs: Path) -> None:
+    """DDP's float16 compression hook: every rank's local gradients are finite float32, the reduced ones +inf."""
+    tr = nantrace.load(runs / "compress")
+    rec = tr.records
+    step1 = rec[rec["step"] == 1]
+    bad = step1[(step1["n_posinf"] + step1["n_neginf"] + step1["n_nan"]) > 0]
+    assert len(bad) and bad["reduced"].all()
+    ov = tr.first_overflow()
+    assert ov is not None
+    assert (ov.rank, ov.step, ov.phase, ov.module, ov.tensor, ov.kind, ov.propagated) == (
+        0,
+        1,
+        "backward",
+        "fc1",
+        "weight.grad",
+        "inf",
+        False,
+    )
+    assert "the reduction itself produced it" in str(ov)
+    per = tr.overflows(per_rank=True)
+    assert per[["step", "rank", "propagated"]].values.tolist() == [[1, 0, True], [1, 1, True]]
+    # one rank's part alone cannot tell: received
+    part = nantrace.load(runs / "compress" / "rank-00001-of-00002.nantrace")
+    ov1 = part.first_overflow()
+    assert ov1 is not None and (ov1.rank, ov1.propagated) == (1, True)
+
+
+# ------------------------------------------------------------------------------------------------ (3) healthy
+def test_healthy_run_reports_nothing(runs: Path) -> None:
+    tr = nantrace.load(runs / "healthy")
+    assert tr.first_overflow() is None
+    assert len(tr.overflows()) == 0 and len(tr.overflows(per_rank=True)) == 0
+    assert not tr.steps["skipped"].astype(bool).any()
+    assert tr.diagnose().cause == "healthy"
+    # grad_norm is of the reduced gradients: the same on both ranks of a step
+    st = tr.steps
+    norms = st.pivot(index="step", columns="rank", values="grad_norm")
+    assert norms[0].tolist() == pytest.approx(norms[1].tolist(), rel=1e-6)
+    # the same run streamed with trace(path=...): each rank streamed its own part into the folder
+    streamed = nantrace.load(runs / "healthy_stream")
+    assert streamed.ranks == [0, 1]
+    assert len(streamed.records) == len(tr.records) and streamed.first_overflow() is None
+    assert streamed.records["reduced"].sum() == tr.records["reduced"].sum() == WORLD * STEPS * 4
+
+
+# ------------------------------------------------------------------------------------------------ report, live
+def test_report_names_the_rank(runs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from nantrace.cli import main
+
+    assert main(["report", str(runs / "nan_data")]) == 1
+    out = capsys.readouterr().out
+    assert "ranks: 0, 1 of world size 2" in out
+    assert "first overflow: rank 1, step 2, data, module `` (Net), nan" in out
+    assert main(["report", str(runs / "healthy")]) == 0
+    capsys.readouterr()
+    assert main(["report", str(runs / "nan_data" / "rank-00000-of-00002.nantrace")]) == 1
+    out = capsys.readouterr().out
+    assert "rank: 0 of world size 2 (this rank's part only)" in out
+    assert (
+        "first overflow: rank 0, step 2, backward, module `fc1` (Linear), nan (received through the gradient "
+        "reduction, not produced here)"
+    ) in out
+    tr = nantrace.load(runs / "nan_data")
+    assert repr(tr).startswith("<nantrace.Trace of DistributedDataParallel: 4 steps, ")
+
+
+def test_live_mode_rank0_learns_the_producing_rank(runs: Path) -> None:
+    """live_every=2 over 4 steps: two all-gathers (after steps 1 and 3); the second sees step 2's NaN."""
+    line = "nantrace: rank 1 produced NaN in the model inputs at step 2 (data)"
+    assert info(runs, 0)["live"] == [line]
+    assert info(runs, 1)["live"] == [line]  # every rank gathers the same flags; only rank 0 prints
+    assert info(runs, 0)["live_checks"] == 2
+    tr = nantrace.load(runs / "live" / "nan_data")
+    assert tr.header["options"]["live_every"] == 2
+
+
+# ------------------------------------------------------------------------------------------------ FSDP2
+def test_fsdp2_fully_shard_on_gloo(runs: Path) -> None:
+    assert info(runs, 0)["fsdp2"]["names"] == ["", "fc1", "act", "fc2"]
+    tr = nantrace.load(runs / "fsdp2")
+    ov = tr.first_overflow()
+    assert ov is not None
+    assert (ov.rank, ov.step, ov.phase, ov.module, ov.tensor, ov.kind) == (
+        1,
+        1,
+        "data",
+        "",
+        "input[0]",
+        "nan",
+    )
+    rec = tr.records
+    # FSDP2 parameters are DTensors: their gradients arrive reduce-scattered (rows marked reduced), each
+    # rank's shard: fc1.weight (8, 4) is split into (4, 4) per rank
+    grads = rec[rec["tensor"].astype(str).str.endswith(".grad")]
+    assert grads["reduced"].all()
+    w = grads[(grads["module"].astype(str) == "fc1") & (grads["tensor"].astype(str) == "weight.grad")]
+    assert set(w["shape"].astype(str)) == {"(4, 4)"}
+    per = tr.overflows(per_rank=True)
+    assert per[["step", "rank", "phase", "propagated"]].values.tolist() == [
+        [1, 0, "backward", True],
+        [1, 1, "data", False],
+    ]
+
+
+def test_fsdp1_on_gloo(runs: Path) -> None:
+    got = info(runs, 0)["fsdp1"]
+    assert got["wrapped"] == [
+        "",
+        "_fsdp_wrapped_module",
+        "_fsdp_wrapped_module.fc1",
+        "_fsdp_wrapped_module.fc1._fsdp_wrapped_module",
+        "_fsdp_wrapped_module.act",
+        "_fsdp_wrapped_module.fc2",
+        "_fsdp_wrapped_module.fc2._fsdp_wrapped_module",
+    ]
+    assert got["names"] == ["", "fc1", "act", "fc2"]
+    tr = nantrace.load(runs / "fsdp1")
+    assert sorted(set(tr.records["module"].astype(str))) == ["", "act", "fc1", "fc2"]
+    ov = tr.first_overflow()
+    assert ov is not None
+    assert (ov.rank, ov.step, ov.phase, ov.module, ov.kind, ov.propagated) == (1, 1, "data", "", "nan", False)
+    per = tr.overflows(per_rank=True)
+    assert per[["step", "rank", "phase", "tensor", "propagated"]].values.tolist() == [
+        [1, 0, "backward", "weight.grad", True],
+        [1, 1, "data", "input[0]", False],
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ no process group
+def test_without_process_group_rank_is_zero_and_save_is_one_file(tmp_path: Path) -> None:
+    m = Net()
+    with nantrace.trace(m, live_every=2) as tr:
+        m(torch.randn(2, 4))
+    assert (tr.rank, tr.world_size, tr.ranks) == (0, 1, [0])
+    assert set(tr.records["rank"]) == {0} and set(tr.steps["rank"]) == {0}
+    assert not tr.records["reduced"].any()
+    assert tr.live_reports == []
+    p = tr.save(tmp_path / "one.nantrace")
+    assert p.is_file() and p == tmp_path / "one.nantrace"
+    back = nantrace.load(p)
+    assert (back.rank, back.world_size) == (0, 1)
+
+
+def test_live_every_is_validated() -> None:
+    with pytest.raises(ValueError, match=r"live_every must be None \(off\) or an int ≥ 1.*got 0"):
+        nantrace.trace(Net(), live_every=0)
+
+
+def test_part_target_conflicts(tmp_path: Path) -> None:
+    from nantrace._dist import part_target
+
+    f = tmp_path / "single.nantrace"
+    f.write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"is an existing file, but under torch\.distributed"):
+        part_target(f, 0, 2)
+    d = tmp_path / "run"
+    assert part_target(d, 1, 2) == d / "rank-00001-of-00002.nantrace"
+    (d / "rank-00000-of-00004.nantrace").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"world size 4 \(this run has 2 ranks"):
+        part_target(d, 0, 2)
+
+
+def test_folder_with_missing_rank_loads_with_a_warning(runs: Path, tmp_path: Path) -> None:
+    d = tmp_path / "partial"
+    d.mkdir()
+    name = "rank-00001-of-00002.nantrace"
+    (d / name).write_bytes((runs / "nan_data" / name).read_bytes())
+    with pytest.warns(UserWarning, match=r"holds 1 of 2 rank parts; ranks \[0\] are missing"):
+        tr = nantrace.load(d)
+    assert tr.ranks == [1]
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.rank, ov.phase) == (1, "data")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(nantrace.NantraceError, match="folder without nantrace rank parts"):
+        nantrace.load(empty)
+
+
+def test_merged_trace_saves_as_one_file_and_loads_back(runs: Path, tmp_path: Path) -> None:
+    tr = nantrace.load(runs / "nan_data")
+    p = tr.save(tmp_path / "merged.nantrace")
+    back = nantrace.load(p)
+    assert back.ranks == [0, 1] and back.world_size == 2
+    assert back.first_overflow() == tr.first_overflow()
+    assert len(back.records) == len(tr.records)
+
+
+def test_fsdp1_and_checkpoint_wrapper_names_without_process_group() -> None:
+    """Wrapper names without a process group: the ``_fsdp_wrapped_module`` attribute FSDP1 uses (on a stand-in,
+    since FSDP1 needs a process group; the real one runs in ``test_fsdp1_on_gloo``) around a model holding the
+    real checkpoint wrapper."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    class FakeFSDP(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self._fsdp_wrapped_module = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self._fsdp_wrapped_module(x)
+
+    m = Net()
+    m.fc1 = checkpoint_wrapper(m.fc1)  # type: ignore[assignment]
+    wrapped = FakeFSDP(m)
+    assert [n for n, _ in module_names(wrapped)] == ["", "fc1", "act", "fc2"]
+
+
+# ------------------------------------------------------------------------------------------------ ordering rule
+def _parts_of(tmp: Path, name: str, per_rank: list[list[torch.Tensor]]) -> nantrace.Trace:
+    """A folder of rank parts from single-process float32 runs of Net (fc2 weights 1.0: output 16 x for a
+    constant input x), each forward its own step; merged by nantrace.load."""
+    folder = tmp / name
+    folder.mkdir()
+    for rank, xs in enumerate(per_rank):
+        m = Net()
+        with torch.no_grad():
+            m.fc2.weight.fill_(1.0)
+            m.fc2.bias.zero_()
+        with nantrace.trace(m, drill=False) as tr:
+            for x in xs:
+                m(x)
+        tr.save(folder / f"rank-{rank:05d}-of-{len(per_rank):05d}.nantrace")
+    return nantrace.load(folder)
+
+
+def _first(tr: nantrace.Trace) -> tuple[Any, ...]:
+    ov = tr.first_overflow()
+    assert ov is not None
+    return (ov.rank, ov.step, ov.phase, ov.module, ov.kind)
+
+
+def test_cross_rank_ordering_step_then_phase_then_seq_then_rank(tmp_path: Path) -> None:
+    ok = torch.ones(2, 4)
+    nan = torch.ones(2, 4)
+    nan[0, 1] = float("nan")
+    fc1_inf = torch.full((2, 4), 2e38)  # fc1: 4 * 0.5 * 2e38 = 4e38 > float32 max 3.4e38
+    fc2_inf = torch.full((2, 4), 3e37)  # fc1 6e37 is finite; fc2: 8 * 6e37 = 4.8e38 is not
+    # the same step: data (rank 1) comes before forward (rank 0)
+    assert _first(_parts_of(tmp_path, "phase", [[ok, fc1_inf], [ok, nan]])) == (1, 1, "data", "", "nan")
+    # the earlier step wins over the earlier phase
+    assert _first(_parts_of(tmp_path, "step", [[ok, nan], [fc1_inf, ok]])) == (1, 0, "forward", "fc1", "inf")
+    # the same step and phase: the earlier position in the step (fc1 before fc2), whatever the rank
+    assert _first(_parts_of(tmp_path, "seq", [[fc2_inf], [fc1_inf]])) == (1, 0, "forward", "fc1", "inf")
+    # the same event on both ranks: the lowest rank; the other is a producer too
+    tr = _parts_of(tmp_path, "tie", [[ok, fc1_inf], [ok, fc1_inf]])
+    assert _first(tr) == (0, 1, "forward", "fc1", "inf")
+    per = tr.overflows(per_rank=True)
+    assert per[["step", "rank", "module", "propagated"]].values.tolist() == [
+        [1, 0, "fc1", False],
+        [1, 1, "fc1", False],
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ example
+def test_example_runs_under_torchrun(tmp_path: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(ROOT / "examples" / "ddp_nan.py"),
+        "--out",
+        str(tmp_path / "trace"),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "nantrace: rank 1 produced NaN in the model inputs at step 3 (data)" in res.stderr
+    assert "first overflow: rank 1, step 3, data" in res.stdout
+    tr = nantrace.load(tmp_path / "trace")
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.rank, ov.step, ov.phase) == (1, 3, "data")
