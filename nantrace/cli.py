@@ -1,7 +1,8 @@
-"""The ``nantrace`` command: ``demo``, ``report`` and ``plot``.
+"""The ``nantrace`` command: ``demo``, ``report``, ``plot`` and ``run``.
 
 Exit codes: 0 = done and no non-finite value in the trace; 1 = done and the trace holds an overflow (``report``)
-; 2 = usage error, or the file is not a readable trace; 3 = a needed optional extra (matplotlib) is missing.
+; 2 = usage error, or the file is not a readable trace; 3 = a needed optional extra (matplotlib, tensorboard) is
+missing. ``run`` exits with the script's own exit code.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import pandas as pd
 
@@ -29,8 +30,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="nantrace",
         description="Find where and why fp16/bf16 PyTorch training goes NaN.",
         epilog="Exit codes: 0 done (report: no overflow in the trace), 1 report: the trace holds an overflow, "
-        "2 usage or file error, 3 an optional extra (matplotlib) is missing. demo and plot exit 0 when they "
-        "complete, whatever the trace holds.",
+        "2 usage or file error, 3 an optional extra (matplotlib, tensorboard) is missing. demo and plot exit 0 "
+        "when they complete, whatever the trace holds; run exits with the script's exit code.",
     )
     p.add_argument("--version", action="version", version=f"nantrace {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -67,6 +68,14 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("report", help="print the locator report, diagnosis and summary of a saved trace")
     r.add_argument("path", type=Path, help="a file written by Trace.save (e.g. OUT/trace.nantrace)")
+    r.add_argument(
+        "--tensorboard",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also write the trace's per-step scalars and per-module absmax/headroom to a TensorBoard log "
+        "directory (needs nantrace[tensorboard])",
+    )
 
     pl = sub.add_parser("plot", help="draw a saved trace to a PNG")
     pl.add_argument("path", type=Path, help="a file written by Trace.save")
@@ -78,6 +87,55 @@ def _parser() -> argparse.ArgumentParser:
         help="overview (default): headroom heatmap + loss-scale timeline; heatmap; scale; ranges (one step)",
     )
     pl.add_argument("--step", type=int, default=None, help="step for --what ranges (default: first overflow)")
+
+    ru = sub.add_parser(
+        "run",
+        help="run an unmodified training script with nantrace attached (like python -m cProfile)",
+        description=(
+            "Run SCRIPT as `python SCRIPT ARGS` would, tracing every model it calls (a module with parameters "
+            "called while no other module runs), with the optimizers and GradScalers it creates. When the "
+            "script ends, also by an exception, sys.exit or Ctrl-C, the trace is saved to OUT/trace.nantrace "
+            "(further models: OUT/trace.<name>.nantrace) and the report and diagnosis are printed to stderr; "
+            "the script's stdout is untouched. The exit code is the script's (1 after an uncaught exception, "
+            "130 after Ctrl-C). Options after SCRIPT are the script's."
+        ),
+    )
+    ru.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="output directory (default: a new ./nantrace-run-<time> folder)",
+    )
+    ru.add_argument(
+        "--modules",
+        action="append",
+        default=None,
+        metavar="GLOB",
+        help="trace only modules whose qualified name matches GLOB (repeatable; default: all)",
+    )
+    ru.add_argument(
+        "--phases",
+        default=None,
+        metavar="LIST",
+        help="comma-separated phases to record, from data,forward,loss,backward,optimizer (default: all)",
+    )
+    ru.add_argument(
+        "--every", type=int, default=1, metavar="N", help="full statistics every N-th step (default: 1)"
+    )
+    ru.add_argument("--no-drill", action="store_true", help="do not replay a module call to name the op")
+    ru.add_argument(
+        "--sync-free", action="store_true", help="on-device statistics only, also for CPU tensors"
+    )
+    ru.add_argument(
+        "--tensorboard",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also write TensorBoard scalars to DIR (needs nantrace[tensorboard])",
+    )
+    ru.add_argument("script", help="the Python script to run")
+    ru.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     return p
 
 
@@ -87,7 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         return _demo(args)
     if args.command == "report":
-        return _report(args.path)
+        return _report(args.path, args.tensorboard)
+    if args.command == "run":
+        return _run(args)
     if args.command == "plot":
         return _plot(args.path, args.output, args.what, args.step)
     _parser().print_help()
@@ -175,33 +235,72 @@ def _load(path: Path) -> Any:
         return None
 
 
-def _report(path: Path) -> int:
+def _report(path: Path, tensorboard: Path | None = None) -> int:
     tr = _load(path)
     if tr is None:
         return EXIT_USAGE
+    if tensorboard is not None:
+        try:
+            written = tr.to_tensorboard(tensorboard)
+        except ImportError as e:
+            _err(str(e))
+            return EXIT_MISSING_EXTRA
+        except ValueError as e:
+            _err(f"--tensorboard: {e}")
+            return EXIT_USAGE
+        print(f"wrote TensorBoard scalars to {written}", file=sys.stderr)
+    ov = print_report(tr, path)
+    return EXIT_OK if ov is None else EXIT_OVERFLOW
+
+
+def print_report(tr: Any, path: Path | None, file: TextIO | None = None) -> Any:
+    """Print the report of ``tr`` (saved at ``path``, if known) to ``file`` (default stdout): summary, first
+    overflow, steps with a non-finite value by first producer, and the diagnosis. Returns the first overflow."""
+    out = sys.stdout if file is None else file
     ov = tr.first_overflow()
-    print(f"trace: {path}")
-    print(
-        f"model: {tr.header.get('model_class')}, nantrace {tr.header.get('nantrace')}, torch {tr.header.get('torch')}"
-    )
-    for line in summary_lines(tr):
-        print(line)
-    print()
-    if ov is None:
-        print("first overflow: none: every recorded value was finite.")
-    else:
+    if path is not None:
+        print(f"trace: {path}", file=out)
+    if tr.header:
         print(
-            f"first overflow: step {ov.step}, {ov.phase}, module `{ov.module}` ({ov.module_type}), {ov.kind}"
+            f"model: {tr.header.get('model_class')}, nantrace {tr.header.get('nantrace')}, "
+            f"torch {tr.header.get('torch')}",
+            file=out,
         )
-        print(f"  {ov}")
+    else:
+        print(f"model: {tr._model_class}", file=out)
+    world, ranks = getattr(tr, "world_size", 1), getattr(tr, "ranks", [0])
+    summary_of = tr
+    if world > 1 and len(ranks) > 1:
+        shown = ov.rank if ov is not None else ranks[0]
+        print(
+            f"ranks: {', '.join(map(str, ranks))} of world size {world} (merged); summary of rank {shown}",
+            file=out,
+        )
+        summary_of = tr.rank_view(shown)
+    elif world > 1:
+        print(f"rank: {ranks[0]} of world size {world} (this rank's part only)", file=out)
+    for line in summary_lines(summary_of):
+        print(line, file=out)
+    print(file=out)
+    if ov is None:
+        print("first overflow: none: every recorded value was finite.", file=out)
+    else:
+        who = f"rank {ov.rank}, " if world > 1 else ""
+        got = " (received through the gradient reduction, not produced here)" if ov.propagated else ""
+        print(
+            f"first overflow: {who}step {ov.step}, {ov.phase}, module `{ov.module}` ({ov.module_type}), "
+            f"{ov.kind}{got}",
+            file=out,
+        )
+        print(f"  {ov}", file=out)
         ovs = tr.overflows()
         if len(ovs) > 1:
-            print(f"\nsteps with a non-finite value ({len(ovs)}), by first producer:")
-            print("\n".join(overflow_runs(ovs)))
+            print(f"\nsteps with a non-finite value ({len(ovs)}), by first producer:", file=out)
+            print("\n".join(overflow_runs(ovs)), file=out)
     diag = _diagnosis_text(tr)
     if diag:
-        print(f"\n{diag}")
-    return EXIT_OK if ov is None else EXIT_OVERFLOW
+        print(f"\n{diag}", file=out)
+    return ov
 
 
 # ------------------------------------------------------------------------------------------- plot
@@ -237,10 +336,70 @@ def _plot(path: Path, output: Path, what: str, step: int | None) -> int:
     return EXIT_OK
 
 
+# ------------------------------------------------------------------------------------------- run
+def _run(args: argparse.Namespace) -> int:
+    from ._run import print_run_report, run_script
+    from ._store import PHASES
+
+    script = str(args.script)
+    if not os.path.isfile(script):
+        _err(f"script {script!r} is not a file")
+        return EXIT_USAGE
+    phases = None
+    if args.phases is not None:
+        phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+        bad = [p for p in phases if p not in PHASES]
+        if bad or not phases:
+            _err(f"--phases {args.phases!r}: choose a comma-separated list from {','.join(PHASES)}")
+            return EXIT_USAGE
+    if args.every < 1:
+        _err(f"--every must be ≥ 1; got {args.every}")
+        return EXIT_USAGE
+    if args.tensorboard is not None:
+        try:
+            from ._tensorboard import _summary_writer_class
+
+            _summary_writer_class()
+        except ImportError as e:
+            _err(str(e))
+            return EXIT_MISSING_EXTRA
+    out: Path = args.out if args.out is not None else _new_out_dir("run")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _err(f"--out {str(out)!r}: cannot create it ({e})")
+        return EXIT_USAGE
+    if not os.access(out, os.W_OK):
+        _err(f"--out {str(out)!r} is not writable; choose another directory")
+        return EXIT_USAGE
+    result = run_script(
+        script,
+        args.args,
+        out=out,
+        modules=args.modules,
+        phases=phases,
+        sync_free=True if args.sync_free else None,
+        drill=not args.no_drill,
+        every=args.every,
+    )
+    print_run_report(result, sys.stderr)
+    if args.tensorboard is not None:
+        several = len(result.traces) > 1
+        for name, tr in result.traces.items():
+            prefix = f"nantrace/{name}" if several else "nantrace"
+            try:
+                written = tr.to_tensorboard(args.tensorboard, tag_prefix=prefix)
+            except ValueError as e:
+                _err(f"--tensorboard: {e}")
+                break
+            print(f"wrote TensorBoard scalars ({prefix}/...) to {written}", file=sys.stderr)
+    return result.exit_code
+
+
 # ------------------------------------------------------------------------------------------- demo
-def _new_out_dir() -> Path:
+def _new_out_dir(kind: str = "demo") -> Path:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = Path.cwd() / f"nantrace-demo-{stamp}"
+    base = Path.cwd() / f"nantrace-{kind}-{stamp}"
     out, n = base, 1
     while out.exists():
         n += 1
