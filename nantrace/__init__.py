@@ -7,9 +7,24 @@ and step that produced the first non-finite value.
 
 from ._compare import Comparison, compare
 from ._diagnose import Diagnosis
+from ._hunt import Culprit, hunt
 from ._io import load
 from ._locate import Overflow
+from ._repro import Repro, load_repro
 from ._trace import NantraceError, Trace, trace
 
-__all__ = ["Comparison", "Diagnosis", "NantraceError", "Overflow", "Trace", "compare", "load", "trace"]
+__all__ = [
+    "Comparison",
+    "Culprit",
+    "Diagnosis",
+    "NantraceError",
+    "Overflow",
+    "Repro",
+    "Trace",
+    "compare",
+    "hunt",
+    "load",
+    "load_repro",
+    "trace",
+]
 __version__ = "0.1.0"

@@ -157,6 +157,7 @@ class Recorder:
         self.every = every
         self.light = False  # on steps between full ones (every > 1): rows only for tensors holding inf/NaN
         self.drill = drill
+        self.capture: Any = None  # a nantrace._repro.Capture with trace(capture=...)
         self.seen_kinds: set[str] = set()
         self.sync_free = sync_free
         self.phases = record_phases
@@ -206,8 +207,14 @@ class Recorder:
         parent: int,
         arg: str | None = None,
         micro: int | None = None,
+        reduced: bool = False,
     ) -> None:
-        """Append one row for tensor ``t`` (nothing for tensors that are not :func:`describable`)."""
+        """Append one row for tensor ``t`` (nothing for tensors that are not :func:`describable`).
+
+        ``reduced`` marks a parameter gradient after the cross-rank reduction. A ``DTensor`` (FSDP2, tensor
+        parallel) is described by this rank's local shard, so no statistic needs a collective."""
+        if type(t) is not torch.Tensor and hasattr(t, "to_local") and hasattr(t, "placements"):
+            t = t.to_local()
         if not describable(t):
             return
         if self.light and not self.sync_free and t.device.type == "cpu" and is_clean_host(t):
@@ -231,6 +238,7 @@ class Recorder:
             parent,
             -1 if arg is None else store.args.code(arg),
             event,
+            int(reduced),
         )
         store.add(meta, stats)
         self.has_rows = True
@@ -358,6 +366,8 @@ class Recorder:
                 self.begin_micro_step()
             call = self.calls.get(mcode, 0)
             self.calls[mcode] = call + 1
+            if self.capture is not None:
+                self.capture.pre(mcode, args, kwargs)
             parent = self.stack[-1][0] if self.stack else -1
             names = positional_names(module)
             items = list(flatten(args, "input"))
@@ -402,6 +412,8 @@ class Recorder:
                     break
             if is_root:
                 self.root_depth = max(0, self.root_depth - 1)
+            if self.capture is not None:
+                self.capture.post(module, mcode, output, self.step, max(self.micro, 0), call)
             if call < 0 or output is None:
                 return
             parent = self.stack[-1][0] if self.stack else -1

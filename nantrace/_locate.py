@@ -22,7 +22,9 @@ loss, backward in execution order, optimizer — within each micro-step:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,7 +35,19 @@ __all__ = ["KINDS", "Overflow", "is_mask", "locate", "mask_rows", "overflows"]
 
 KINDS = ("nan", "posinf", "neginf")
 _PHASE_RANK = {"data": 0, "forward": 1, "loss": 2, "backward": 3, "optimizer": 4}
-OVERFLOW_COLUMNS = ("step", "micro_step", "phase", "module", "module_type", "call", "tensor", "kind", "dtype")
+OVERFLOW_COLUMNS = (
+    "step",
+    "micro_step",
+    "phase",
+    "module",
+    "module_type",
+    "call",
+    "tensor",
+    "kind",
+    "dtype",
+    "rank",
+    "propagated",
+)
 
 
 class DType(str):
@@ -68,6 +82,10 @@ class Overflow:
         kind: ``"inf"`` (+inf or -inf) or ``"nan"``.
         dtype: dtype name of that tensor, e.g. ``"float16"`` (compares equal to ``torch.float16`` too).
         message: one or two sentences explaining it, with the numbers that matter; ``str(overflow)``.
+        rank: the ``torch.distributed`` rank whose trace holds it (0 without a process group); in a merged trace
+            of several ranks, the rank that produced it (ordering rule: ``nantrace._dist``).
+        propagated: True when this rank did not produce the value but only received it through the gradient
+            reduction (it is only in ``reduced`` rows: DDP's all-reduce, FSDP's reduce-scatter).
     """
 
     step: int
@@ -80,6 +98,10 @@ class Overflow:
     kind: str
     dtype: str
     message: str = field(default="", compare=False, repr=False)
+    rank: int = 0
+    propagated: bool = False
+    # the call kept by trace(capture=...), for save_repro(); not a field of the report
+    _captured: Any = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         return self.message
@@ -87,6 +109,31 @@ class Overflow:
     def to_dict(self) -> dict[str, Any]:
         """The fields (without ``message``) as a plain dict."""
         return {k: getattr(self, k) for k in OVERFLOW_COLUMNS}
+
+    def save_repro(self, path: str | os.PathLike[str]) -> Path:
+        """Write a reproducer of the call captured by ``nantrace.trace(..., capture=...)`` to ``path``.
+
+        The file holds the captured module's class path and pickled object, its ``state_dict`` right after
+        the call, the call's args/kwargs (copies taken when the call started), its dtype and the autocast state
+        (format: ``nantrace._repro``). The write is atomic (a temporary file renamed over ``path``).
+        :func:`nantrace.load_repro` rebuilds it; ``repro.run()`` reproduces the call in isolation and
+        ``nantrace.hunt(repro.run)`` names the op. The captured call is the trace's first watched call that
+        produced a non-finite value (``capture="first"``: its producer; with a module name: that module's
+        call), which ``load_repro(path).module_name`` names.
+
+        Returns:
+            the path written, as a ``pathlib.Path``.
+
+        Raises:
+            NantraceError: the trace had no ``capture=`` or captured nothing (only forward calls are captured),
+                or the module's class (or a submodule's) cannot be imported back by its path (defined in
+                ``__main__``, e.g. a notebook, or inside a function): move it to an importable module.
+            TypeError / ValueError: ``path`` is not a path, is a directory, or its directory does not exist
+                or is not writable.
+        """
+        from ._repro import save_repro
+
+        return save_repro(self._captured, path)
 
 
 # ---------------------------------------------------------------------------------------------- masks
@@ -189,7 +236,7 @@ def _first_in_step(
         if mask[i]:
             seen.add("neginf")
         kinds = [k for k in kinds if k not in seen]
-        if i in extra:
+        if i in extra and not (mask[i] and extra[i][0] == "neginf"):  # a module that builds a mask
             return df.iloc[i], extra[i][0], extra[i][1]
         if kinds:
             return df.iloc[i], kinds[0], None
@@ -244,6 +291,57 @@ def _producer(step_df: pd.DataFrame, row: pd.Series) -> tuple[str, str, int, str
     return module, mtype, call, tensor
 
 
+def hunt_hint(
+    step_df: pd.DataFrame, row: pd.Series, fields: dict[str, Any], raw_kind: str, op: str | None
+) -> str:
+    """A sentence pointing to ``nantrace.hunt`` when module hooks cannot name the op, else ``""``.
+
+    Rule (forward and backward overflows only), any of:
+
+    * *internal*: the forward drill-down named an op whose kind is not the kind at the module's output (e.g. a
+      ``matmul`` inf that the module returned as NaN);
+    * *container*: at least one traced submodule ran inside the module in this step, so its own code between
+      them holds ops that module hooks cannot tell apart;
+    * *hand-written*: the module's class is not a ``torch.nn`` layer (``module_type`` is not a name in
+      ``torch.nn``), so its forward (and backward) is the user's own sequence of ops.
+
+    So only a built-in ``torch.nn`` leaf layer (``Linear``, ``Conv2d``, ``Embedding``...) whose output held the
+    kind its op made is reported without the hint: the layer is the answer.
+    """
+    phase, module = fields["phase"], str(fields["module"])
+    if phase not in ("forward", "backward"):
+        return ""
+    prefix = f"{module}." if module else ""
+    names = step_df["module"].astype(str).unique()
+    n_sub = sum(1 for n in names if n != module and n.startswith(prefix))
+    internal = phase == "forward" and op is not None and int(row[f"n_{raw_kind}"]) == 0
+    mtype = str(fields["module_type"])
+    layer = getattr(torch.nn, mtype, None)
+    builtin = isinstance(layer, type) and issubclass(layer, torch.nn.Module)
+    if not internal and n_sub == 0 and builtin:
+        return ""
+    name = f"`{module}`" if module else "the root model"
+    what = {"nan": "NaN", "posinf": "+inf", "neginf": "-inf"}[raw_kind]
+    if internal:
+        why = f"the {what} was made inside {name} by `{op}` and never reached its output"
+    elif n_sub:
+        why = f"{name} has {n_sub} traced submodule(s), and the ops of its own code between them are not seen one by one"
+    else:
+        why = f"{name} is hand-written code ({mtype}), a sequence of ops"
+
+    how = (
+        f'; or trace again with capture="{module}" and hunt the saved call: ov.save_repro(path), then '
+        "nantrace.hunt(nantrace.load_repro(path).run)"
+        if phase == "forward"
+        else ": it names the backward op and the forward line it belongs to"
+    )
+    also = ' (kind="nan" for the op that made the NaN itself)' if fields["kind"] == "nan" else ""
+    return (
+        f" To name the exact op and source line ({why}), run this step under nantrace.hunt(step_fn){also}, "
+        f"which is slow: every op is checked{how}."
+    )
+
+
 def _candidates(records: pd.DataFrame, wanted: tuple[str, ...]) -> pd.Series:
     """Steps holding any wanted kind (cheap vectorised pre-filter)."""
     hit = np.zeros(len(records), dtype=bool)
@@ -258,6 +356,8 @@ def _find(
     steps: pd.DataFrame | None,
     first_only: bool,
     ops: pd.DataFrame | None = None,
+    world_size: int | None = None,
+    per_rank: bool = False,
 ) -> list[Overflow]:
     from ._report import explain
 
@@ -265,6 +365,12 @@ def _find(
     found: list[Overflow] = []
     if len(records) == 0:
         return found
+    rank = int(records["rank"].iloc[0]) if "rank" in records.columns else 0
+    reduced = "reduced" in records.columns and bool(records["reduced"].to_numpy(dtype=bool).any())
+    if "rank" in records.columns and (reduced or bool((records["rank"] != rank).any())):
+        from ._dist import find_across_ranks  # several ranks, or reduced gradients: the cross-rank rules
+
+        return find_across_ranks(records, wanted, steps, first_only, ops, world_size, per_rank)
     candidates = set(_candidates(records, wanted).tolist())
     if ops is not None and len(ops):
         candidates |= set(ops.loc[ops["kind"].isin(wanted), "step"].tolist())
@@ -289,7 +395,8 @@ def _find(
             dtype=DType(str(row["dtype"])),
         )
         message = explain(records, step_df, row, fields, k, steps, op)
-        found.append(Overflow(**fields, message=message))
+        message += hunt_hint(step_df, row, fields, k, op)
+        found.append(Overflow(**fields, message=message, rank=rank))
         if first_only:
             break
     return found
@@ -300,13 +407,17 @@ def locate(
     kind: str | None = None,
     steps: pd.DataFrame | None = None,
     ops: pd.DataFrame | None = None,
+    world_size: int | None = None,
 ) -> Overflow | None:
     """The first producer of a non-finite value in ``records`` (``None`` when there is none).
+
+    With rows of several ranks (``records["rank"]``) or reduced gradients, the cross-rank rules of
+    ``nantrace._dist`` apply; ``world_size`` says how many ranks the run had (``None``: the ranks present).
 
     Raises:
         ValueError: ``kind`` is not ``None``, ``"inf"`` or ``"nan"``.
     """
-    found = _find(records, kind, steps, True, ops)
+    found = _find(records, kind, steps, True, ops, world_size)
     return found[0] if found else None
 
 
@@ -315,12 +426,17 @@ def overflows(
     kind: str | None = None,
     steps: pd.DataFrame | None = None,
     ops: pd.DataFrame | None = None,
+    world_size: int | None = None,
+    per_rank: bool = False,
 ) -> pd.DataFrame:
     """One row per step that saw a non-finite value: that step's first producer (columns of :class:`Overflow`
-    plus ``message``)."""
-    found = _find(records, kind, steps, False, ops)
+    plus ``message``). ``per_rank=True``: one row per (step, rank) instead, each rank's own first non-finite
+    value (``propagated`` where the rank only received it through the gradient reduction)."""
+    found = _find(records, kind, steps, False, ops, world_size, per_rank)
     cols = [*OVERFLOW_COLUMNS, "message"]
     df = pd.DataFrame([{**o.to_dict(), "message": o.message} for o in found], columns=cols)
     if len(df):
-        df[["step", "micro_step", "call"]] = df[["step", "micro_step", "call"]].astype("int64")
+        ints = ["step", "micro_step", "call", "rank"]
+        df[ints] = df[ints].astype("int64")
+        df["propagated"] = df["propagated"].astype(bool)
     return df

@@ -25,6 +25,8 @@ from ._locate import Overflow, locate, mask_named, mask_rows, overflows
 from ._store import PHASES, Store
 
 if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
     from ._diagnose import Diagnosis
 
 __all__ = ["NantraceError", "Trace", "trace"]
@@ -145,6 +147,9 @@ class Trace:
     raised.
     """
 
+    # Set by ``nantrace run`` when one GradScaler serves several traced models: which losses are this model's.
+    _loss_filter: Callable[[Any], bool] | None = None
+
     def __init__(
         self,
         model: nn.Module,
@@ -158,6 +163,8 @@ class Trace:
         every: int = 1,
         path: str | os.PathLike[str] | None = None,
         flush_every: int = 100,
+        live_every: int | None = None,
+        capture: str | list[str] | tuple[str, ...] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}: {model!r:.80}")
@@ -200,8 +207,22 @@ class Trace:
             raise ValueError(
                 f"flush_every must be an int ≥ 1 (steps kept in memory between writes); got {flush_every!r}"
             )
+        if live_every is not None and (
+            isinstance(live_every, bool) or not isinstance(live_every, int) or live_every < 1
+        ):
+            raise ValueError(
+                f"live_every must be None (off) or an int ≥ 1 (check every N-th step across ranks); "
+                f"got {live_every!r}"
+            )
+        from ._dist import process_group
+
+        self._rank, self._world_size = process_group()
         stream_path: Path | None = None
-        if path is not None:
+        if path is not None and self._world_size > 1:
+            from ._dist import part_target
+
+            stream_path = part_target(path, self._rank, self._world_size)
+        elif path is not None:
             from ._io import _check_target
 
             stream_path = _check_target(path)
@@ -217,16 +238,29 @@ class Trace:
                 f"modules={modules!r} matched no module of {type(model).__name__}; "
                 f"names look like {[n for n, _ in named[:6]]}"
             )
+        from ._repro import make_capture
+
+        self._capture, capture_option = make_capture(
+            capture, [named[0][0], *(n for n, _ in selected)], lambda: self._handles
+        )
         self._model_ref = weakref.ref(model)
         self._model_class = type(model).__qualname__
         self._root_name, self._root = named[0]
         self._selected = selected
         self._scaler = scaler
         self._optimizer = optimizer
-        self._store = Store()
+        self._store = Store(self._rank)
+        self._live = None
+        if live_every is not None and self._world_size > 1:
+            from ._dist import Live
+
+            self._live = Live(live_every, self._rank, self._world_size)
+        self._exiting = False
+        self._reduced_done = False
         self._rec = Recorder(
             self._store, sync_free=bool(sync_free), record_phases=phase_set, drill=drill, every=every
         )
+        self._rec.capture = self._capture
         self._stream_path = stream_path
         self._stream_records: pd.DataFrame | None = None
         if stream_path is not None:
@@ -244,6 +278,8 @@ class Trace:
             "sync_free": sync_free,
             "drill": drill,
             "every": every,
+            "live_every": live_every,
+            "capture": capture_option,
             "path": None if stream_path is None else str(stream_path),
             "scaler": type(scaler).__name__ if scaler is not None else None,
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
@@ -279,6 +315,7 @@ class Trace:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._rec.active = False
+        self._exiting = True  # no collective (live check) from here: another rank may have raised
         try:
             if self._rec.step_open():
                 self._end_step()
@@ -306,6 +343,8 @@ class Trace:
         for name, m in mods:
             mcode = store.modules.code(name)
             tcode = store.types.code(type(m).__name__)
+            if self._capture is not None:
+                self._capture.watch(mcode, name, type(m).__name__)
             pre, post = rec.module_hooks(
                 mcode,
                 tcode,
@@ -318,6 +357,7 @@ class Trace:
             _ACTIVE[m] = self
         # parameters: gradient after accumulation, and value after optimizer.step()
         self._params: list[tuple[nn.Parameter, int, int, str]] = []
+        self._sharded_params: set[int] = set()  # DTensor parameters (FSDP2): their hook sees the reduced grad
         seen: set[int] = set()
         for name, m in self._selected:
             for pname, p in m.named_parameters(recurse=False):
@@ -326,6 +366,8 @@ class Trace:
                 seen.add(id(p))
                 mcode, tcode = store.modules.code(name), store.types.code(type(m).__name__)
                 self._params.append((p, mcode, tcode, pname))
+                if _sharded(p):
+                    self._sharded_params.add(len(self._params) - 1)
                 if p.requires_grad and "backward" in rec.phases:
                     self._handles.append(
                         p.register_post_accumulate_grad_hook(
@@ -334,6 +376,11 @@ class Trace:
                     )
         if self._optimizer is not None:
             self._handles.append(self._optimizer.register_step_post_hook(self._optimizer_hook))
+        if self._world_size > 1 and "backward" in rec.phases:  # gradients after the cross-rank reduction
+            if self._optimizer is not None:
+                self._handles.append(self._optimizer.register_step_pre_hook(self._reduced_hook))
+            if self._scaler is not None:
+                self._patch(self._scaler, "unscale_", self._wrap_unscale(self._scaler.unscale_))
         if self._scaler is not None:
             self._patch(self._scaler, "scale", self._wrap_scale(self._scaler.scale))
             self._patch(self._scaler, "update", self._wrap_update(self._scaler.update))
@@ -361,21 +408,76 @@ class Trace:
         self._patched.append((obj, attr, had, vars(obj).get(attr)))
         setattr(obj, attr, new)
 
+    def _bind(
+        self, *, scaler: torch.amp.GradScaler | None = None, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        """Attach a scaler and/or optimizer found after enter (``nantrace run`` meets them as the script runs).
+
+        Each is bound only if the trace has none yet; step boundaries follow it from then on, as if it had been
+        passed to ``trace()``. Its patches/hooks are removed on exit like the others."""
+        if not self._entered or self._closed:
+            raise NantraceError("Trace._bind() needs an active trace (inside `with`)")
+        reduced = self._world_size > 1 and "backward" in self._rec.phases  # as in _attach
+        if scaler is not None and self._scaler is None:
+            self._scaler = scaler
+            self.options["scaler"] = type(scaler).__name__
+            if reduced:
+                self._patch(scaler, "unscale_", self._wrap_unscale(scaler.unscale_))
+            self._patch(scaler, "scale", self._wrap_scale(scaler.scale))
+            self._patch(scaler, "update", self._wrap_update(scaler.update))
+        if optimizer is not None and self._optimizer is None:
+            self._optimizer = optimizer
+            self.options["optimizer"] = type(optimizer).__name__
+            self._handles.append(optimizer.register_step_post_hook(self._optimizer_hook))
+            if reduced:
+                self._handles.append(optimizer.register_step_pre_hook(self._reduced_hook))
+
     # ------------------------------------------------------------------ hooks owned by the Trace
     def _param_hook(self, mcode: int, tcode: int, pname: str, index: int) -> Callable[[torch.Tensor], None]:
         rec = self._rec
         path = pname + ".grad"
 
+        sharded = index in self._sharded_params
+
         def hook(p: torch.Tensor) -> None:
             g = p.grad
             if not rec.active or g is None or not g.is_floating_point() or g.is_sparse:
                 return
-            rec.add("backward", mcode, tcode, 0, path, g, is_grad=True, parent=-1)
+            if sharded:  # FSDP2: the reduce-scattered gradient; this rank's shard
+                g = g.to_local()  # type: ignore[attr-defined]
+            rec.add("backward", mcode, tcode, 0, path, g, is_grad=True, parent=-1, reduced=sharded)
             g = g.detach()
             wide = g if g.dtype in (torch.float32, torch.float64) else g.float()
             rec.pending.grad_norms[index] = torch.linalg.vector_norm(wide)
 
         return eager(hook)
+
+    def _record_reduced(self) -> None:
+        """Once per step, after backward: each parameter's gradient after DDP's all-reduce (``reduced=True``
+        rows; ``steps.grad_norm`` then is the norm of these, what the optimizer applies)."""
+        rec = self._rec
+        if not rec.active or self._reduced_done:
+            return
+        self._reduced_done = True
+        rec.cache.clear()  # the same .grad tensor now holds other values: no cached statistics
+        for i, (p, mcode, tcode, pname) in enumerate(self._params):
+            g = p.grad
+            if i in self._sharded_params or g is None or not g.is_floating_point() or g.is_sparse:
+                continue
+            rec.add("backward", mcode, tcode, 0, pname + ".grad", g, is_grad=True, parent=-1, reduced=True)
+            g = g.detach()
+            wide = g if g.dtype in (torch.float32, torch.float64) else g.float()
+            rec.pending.grad_norms[i] = torch.linalg.vector_norm(wide)
+
+    def _reduced_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._record_reduced()
+
+    def _wrap_unscale(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def unscale_(optimizer: torch.optim.Optimizer) -> None:
+            self._record_reduced()  # before unscaling: the rows carry the loss scale like the local ones
+            orig(optimizer)
+
+        return unscale_
 
     def _optimizer_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         rec = self._rec
@@ -393,7 +495,7 @@ class Trace:
     def _wrap_scale(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def scale(outputs: Any) -> Any:
             result = orig(outputs)
-            if self._rec.active:
+            if self._rec.active and (self._loss_filter is None or self._loss_filter(outputs)):
                 self._record_loss(outputs)
             return result
 
@@ -443,7 +545,11 @@ class Trace:
         if pending.lr is None and self._optimizer is not None and self._optimizer.param_groups:
             lr = self._optimizer.param_groups[0].get("lr")  # a step the scaler skipped: lr still applies
             pending.lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+        n_chunks, closing = len(self._store.chunks), self._rec.step
         self._rec.end_step(_chunk_mask)
+        self._reduced_done = False
+        if self._live is not None:
+            self._live.after_step(self._store, n_chunks, closing, self._exiting)
         self._store.maybe_spill()
 
     @classmethod
@@ -455,6 +561,10 @@ class Trace:
         tr._model_class = str(header.get("model_class", "?"))
         tr.options = dict(header.get("options", {}))
         tr.header = dict(header)
+        tr._rank = header.get("rank", 0)
+        tr._world_size = int(header.get("world_size", 1) or 1)
+        tr._live = None
+        tr._capture = None
         tr._read_only = True
         tr._stream_path = None
         tr._stream_records = None
@@ -471,12 +581,17 @@ class Trace:
         to a temporary file in the same directory that is renamed over ``path``, so an interrupted save leaves
         no half-written file. Steps still open inside ``with`` are not included.
 
+        Under ``torch.distributed`` with ``world_size > 1`` every rank calls ``save`` with the same ``path``:
+        ``path`` becomes a folder and this rank writes ``rank-RRRRR-of-WWWWW.nantrace`` in it (the same atomic
+        write), never touching the other ranks' parts. ``nantrace.load(path)`` merges them.
+
         Returns:
             the path written, as a ``pathlib.Path``.
 
         Raises:
             TypeError: ``path`` is not a str or path-like.
-            ValueError: ``path`` is a directory, or its directory does not exist or is not writable.
+            ValueError: ``path`` is a directory, or its directory does not exist or is not writable; under
+                torch.distributed: ``path`` is an existing file, or a folder holding parts of another world size.
         """
         from ._io import save
 
@@ -559,19 +674,67 @@ class Trace:
         Raises:
             ValueError: ``kind`` is none of those.
         """
-        ov = locate(self.records, kind, self.steps, self.ops)
+        ov = locate(self.records, kind, self.steps, self.ops, self._world_size)
         if ov is not None and ov.phase in ("forward", "backward") and self._hides_submodules_of(ov.module):
             note = (
                 f" (Only the modules matching modules={self.options['modules']} were traced: an untraced "
                 "submodule inside the reported one may be the real producer.)"
             )
             ov = dataclasses.replace(ov, message=ov.message + note)
+        kept = self._capture.kept if self._capture is not None else None
+        if ov is not None and kept is not None:  # for Overflow.save_repro()
+            ov = dataclasses.replace(ov, _captured=kept)
         return ov
 
-    def overflows(self, kind: str | None = None) -> pd.DataFrame:
+    def overflows(self, kind: str | None = None, *, per_rank: bool = False) -> pd.DataFrame:
         """One row per step that saw a non-finite value, with that step's first producer (``Overflow`` fields
-        plus ``message``). Scaler backoffs show as a few isolated steps; a persistent fault as a run of them."""
-        return overflows(self.records, kind, self.steps, self.ops)
+        plus ``message``). Scaler backoffs show as a few isolated steps; a persistent fault as a run of them.
+
+        Under torch.distributed the producer is the cross-rank one (ordering rule in ``nantrace._dist``);
+        ``per_rank=True`` gives one row per (step, rank) instead: each rank's own first non-finite value, with
+        ``propagated=True`` where that rank only received it through the gradient reduction."""
+        return overflows(self.records, kind, self.steps, self.ops, self._world_size, per_rank)
+
+    @property
+    def rank(self) -> int | None:
+        """The ``torch.distributed`` rank this trace recorded (0 without a process group); ``None`` for a trace
+        merged from several ranks' parts (see :attr:`ranks`)."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks of the run (``torch.distributed.get_world_size()``; 1 without a process group)."""
+        return self._world_size
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks whose rows this trace holds (``[rank]`` for one rank's trace)."""
+        if self._rank is not None:
+            return [self._rank]
+        return [int(r) for r in self.header.get("ranks", sorted(pd.unique(self.records["rank"])))]
+
+    @property
+    def live_reports(self) -> list[str]:
+        """The lines of the live check (``live_every=``) so far; rank 0 also printed them to stderr."""
+        return list(self._live.reports) if self._live is not None else []
+
+    def rank_view(self, rank: int) -> Trace:
+        """The rows of one rank of a merged trace, as a read-only trace of its own.
+
+        Raises:
+            ValueError: ``rank`` is not one of :attr:`ranks`.
+        """
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank not in self.ranks:
+            raise ValueError(f"rank must be one of this trace's ranks {self.ranks}; got {rank!r}")
+        rec, st, ops = self.records, self.steps, self.ops
+
+        def pick(df: pd.DataFrame) -> pd.DataFrame:
+            if "rank" not in df.columns or not len(df):
+                return df
+            return df[df["rank"].to_numpy() == rank].reset_index(drop=True)
+
+        head = dict(self.header, rank=rank, world_size=self._world_size)
+        return Trace._from_saved(pick(rec), pick(st), pick(ops), head)
 
     def diagnose(self) -> Diagnosis:
         """Why the run went non-finite, and what to do: a :class:`nantrace.Diagnosis` whose ``cause`` is one of
@@ -580,6 +743,10 @@ class Trace:
         (strings holding the numbers) and ``advice`` (fixes naming the module, dtype and number)."""
         from ._diagnose import diagnose
 
+        if len(self.ranks) > 1:
+            from ._dist import diagnose_merged
+
+            return diagnose_merged(self)
         return diagnose(self)
 
     def fp16_readiness(self, *, loss_scale: float | None = None) -> pd.DataFrame:
@@ -590,6 +757,34 @@ class Trace:
         from ._diagnose import fp16_readiness
 
         return fp16_readiness(self, loss_scale=loss_scale)
+
+    def to_tensorboard(
+        self, logdir_or_writer: str | os.PathLike[str] | SummaryWriter, *, tag_prefix: str = "nantrace"
+    ) -> Path | None:
+        """Write per-step scalars (``loss``, ``loss_scale``, ``skipped``, ``grad_norm``, ``n_nonfinite``) and
+        per-module ``absmax/<module>`` and ``headroom_bits/<module>`` (log2(65504 / absmax) of the forward
+        outputs) to TensorBoard, with ``tag_prefix/`` in front of every tag and nantrace's step as
+        ``global_step``. A NaN/±inf value is written as it is plus a marker series ``nonfinite/<tag>`` that is
+        1.0 at that step (0.0 elsewhere), because TensorBoard's charts do not draw non-finite points. Every tag
+        is listed in ``nantrace._tensorboard``.
+
+        Args:
+            logdir_or_writer: a directory (created if needed; a new event file is written and closed there), or
+                an open ``torch.utils.tensorboard.SummaryWriter``, which is flushed and left open.
+            tag_prefix: the first part of every tag.
+
+        Returns:
+            the log directory written to, or ``None`` for a writer that does not tell its directory.
+
+        Raises:
+            ImportError: the ``tensorboard`` package is missing (``pip install "nantrace[tensorboard]"``).
+            TypeError: ``logdir_or_writer`` is neither a path nor a writer.
+            ValueError: ``tag_prefix`` is empty or has a leading/trailing ``/``, or the directory cannot be
+                created.
+        """
+        from ._tensorboard import write_tensorboard
+
+        return write_tensorboard(self, logdir_or_writer, tag_prefix=tag_prefix)
 
     def __repr__(self) -> str:
         from ._report import trace_text
@@ -620,6 +815,12 @@ class _FrozenStore:
         return self._o
 
 
+def _sharded(p: torch.Tensor) -> bool:
+    """True for a DTensor parameter (FSDP2 ``fully_shard``, tensor parallel): it holds this rank's shard, and
+    its gradient arrives already reduced (reduce-scattered)."""
+    return type(p) is not nn.Parameter and hasattr(p, "to_local") and hasattr(p, "placements")
+
+
 def _scaler_tensor(scaler: torch.amp.GradScaler, attr: str) -> torch.Tensor | float | None:
     v = getattr(scaler, attr, None)
     if isinstance(v, torch.Tensor):
@@ -641,6 +842,8 @@ def trace(
     every: int = 1,
     path: str | os.PathLike[str] | None = None,
     flush_every: int = 100,
+    live_every: int | None = None,
+    capture: str | list[str] | tuple[str, ...] | None = None,
 ) -> Trace:
     """Record the range and inf/NaN counts of every activation and gradient of ``model``.
 
@@ -676,16 +879,37 @@ def trace(
             exception) the file is completed with the ``steps``/``ops`` tables and header and moved into
             place. ``nantrace.load(path)`` reads the whole run back.
         flush_every: steps kept in memory between writes when streaming (default 100).
+        live_every: under torch.distributed, every N-th step boundary run one ``all_gather`` of 7 int64 per
+            rank so that rank 0 prints which rank produced the first non-finite value since the last check
+            (``nantrace: rank 3 produced +inf in `layers.7.mlp.fc2` at step 120 (forward)``, on stderr). A
+            collective: every rank must pass the same step boundaries. Default ``None``: off. Without a process
+            group (or with one rank) it does nothing.
+        capture: keep a copy of the inputs of the first module call that produced a non-finite value (its
+            output holds NaN/+inf/-inf that its inputs did not; an output holding only 0 and -inf, or named
+            ``mask``/``bias``, is a mask), for :meth:`Overflow.save_repro` and :func:`nantrace.load_repro`.
+            ``"first"`` watches every traced module; a qualified module name (or a list of them) watches only
+            those. ``None`` (default): off. Cost: each watched call's inputs are copied
+            (``detach().clone()``) in its forward pre-hook and the copy is dropped when the call returns
+            clean; the forward hook reads whether the output holds a new kind, which is a device sync per
+            watched call on an accelerator (this mode is not sync-free). Once one call is kept (with a copy of
+            the module's ``state_dict`` right after it, its dtype and the autocast state) nothing more is
+            copied. Forward calls only: a fault that appears only in backward is not captured.
+
+    Under an initialised ``torch.distributed`` process group each rank records its own trace (``rank`` in
+    ``records``, ``steps`` and ``Overflow``), with ``world_size > 1`` also the parameter gradients after the
+    cross-rank reduction (``reduced=True`` rows); ``path=`` and ``Trace.save`` then write this rank's part into
+    a folder at that path. See ``nantrace._dist`` for the cross-rank ordering rule.
 
     Returns:
         the :class:`Trace` (a context manager).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``scaler`` not a ``GradScaler``, ``optimizer`` not an
-            ``Optimizer``, or a ``modules`` item of another type.
+            ``Optimizer``, a ``modules`` item of another type, or ``capture`` is not a str or list of str.
         ValueError: ``modules`` is empty or matches no module, ``phases`` is empty or names an unknown
-            phase, ``every`` or ``flush_every`` is not an int ≥ 1, or ``path`` is a directory or in a
-            directory that does not exist or is not writable.
+            phase, ``every`` or ``flush_every`` is not an int ≥ 1, ``live_every`` is neither None nor an
+            int ≥ 1, ``path`` is a directory or in a directory that does not exist or is not writable, or
+            ``capture`` names a module that is not traced.
         NantraceError (on enter): the model is already being traced.
     """
     return Trace(
@@ -699,4 +923,6 @@ def trace(
         every=every,
         path=path,
         flush_every=flush_every,
+        live_every=live_every,
+        capture=capture,
     )

@@ -439,6 +439,8 @@ def test_api_naming_keeps_no_local_alive(tmp_path: Path, capsys: pytest.CaptureF
 
 
 DDP = """
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -460,7 +462,7 @@ for step in range(3):
     scaler.step(opt)
     scaler.update()
     opt.zero_grad()
-    print(f"rank {rank} step {step}")
+    sys.stdout.write(f"rank {rank} step {step}\\n")  # one write: the two ranks share the pipe
 dist.destroy_process_group()
 """
 

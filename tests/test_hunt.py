@@ -1,0 +1,369 @@
+"""nantrace.hunt: the first aten op that made a non-finite value, its module, phase and source line."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _models_hunt import (
+    CosineSimilarity,
+    ExpGate,
+    GateNet,
+    HandLayerNorm,
+    Healthy,
+    NormNet,
+    SimNet,
+    line_of,
+    t5_model,
+)
+from test_cases import T5FF, AttnModel, RMSNorm
+from torch import nn
+from torch.nn.modules import module as nn_module
+
+import nantrace
+
+MODELS_FILE = inspect.getsourcefile(HandLayerNorm)
+
+
+def _src(obj: object, text: str) -> str:
+    return f"{inspect.getsourcefile(obj).rsplit('/', 1)[-1]}:{line_of(obj, text)}"  # type: ignore[union-attr]
+
+
+def _no_hunt_left() -> None:
+    assert len(nn_module._global_forward_pre_hooks) == 0
+    assert len(nn_module._global_forward_hooks) == 0
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert not torch._C._is_torch_function_mode_enabled()
+
+
+def test_hand_layernorm_variance_overflow_is_internal_and_named_with_its_line() -> None:
+    m = NormNet().half()
+    x = torch.tensor([[300.0, -300.0, 1.0, 2.0]], dtype=torch.float16)
+    out = m(x)
+    assert torch.isfinite(out).all() and out.abs().max().item() == 0.0  # finite zeros: nothing to see
+    with nantrace.trace(m) as tr:
+        m(x)
+    assert tr.first_overflow() is None  # module boundaries show nothing
+    c = nantrace.hunt(m, x)
+    assert c is not None
+    assert (c.op, c.module, c.module_type, c.phase, c.kind, c.value) == (
+        "aten::pow.Tensor_Scalar",
+        "norm",
+        "HandLayerNorm",
+        "forward",
+        "inf",
+        "posinf",
+    )
+    assert c.dtype == "float16" and c.dtype == torch.float16
+    assert c.source == _src(HandLayerNorm.forward, "** 2")
+    assert c.filename == MODELS_FILE and c.lineno == line_of(HandLayerNorm.forward, "** 2")
+    assert c.code == "var = ((x - mean) ** 2).mean(-1, keepdim=True)"
+    # inputs of the pow: x - mean with mean 0.75: 299.25, -300.75, 0.25, 1.25
+    assert (c.input_absmax, c.input_absmin) == (300.75, 0.25)
+    assert c.internal is True and c.output_kinds == frozenset()
+    assert "internal: output was finite" in str(c)
+    assert f"at {c.source}: `{c.code}`" in str(c)
+    _no_hunt_left()
+
+
+def test_cosine_similarity_product_sum_overflows_and_returns_zero() -> None:
+    m = SimNet().half()
+    a = torch.full((1, 4), 200.0, dtype=torch.float16)
+    b = torch.full((1, 4), 0.01, dtype=torch.float16)
+    assert m(a, b).tolist() == [0.0]  # cos(a, b) is 1; |a|^2 = 160000 overflowed
+    c = nantrace.hunt(m, a, b)
+    assert c is not None
+    assert (c.op, c.module, c.module_type, c.phase, c.kind) == (
+        "aten::sum.dim_IntList",
+        "sim",
+        "CosineSimilarity",
+        "forward",
+        "inf",
+    )
+    assert c.source == _src(CosineSimilarity.forward, "na = ")
+    assert (c.input_absmax, c.input_absmin) == (40000.0, 40000.0)  # a * a
+    assert c.internal is True and c.output_kinds == frozenset()
+
+
+def _gate_step(m: nn.Module, x: torch.Tensor) -> None:
+    m(x).sum().backward()
+
+
+def test_where_exp_first_culprit_is_the_discarded_exp_and_nan_is_its_backward() -> None:
+    x = torch.tensor([[1.0, 2.0, 100.0, 3.0]], dtype=torch.float16)
+    where_line = _src(ExpGate.forward, "torch.where")
+    m = GateNet().half()
+    c = nantrace.hunt(_gate_step, m, x)
+    assert c is not None
+    assert (c.op, c.module, c.phase, c.kind, c.source) == ("aten::exp", "gate", "forward", "inf", where_line)
+    assert c.internal is True and c.output_kinds == frozenset()  # hidden by where
+    assert m.fc.weight.grad is not None and torch.isnan(m.fc.weight.grad).any()  # the step ran to the end
+    m.zero_grad()
+    nan = nantrace.hunt(_gate_step, m, x, kind="nan")
+    assert nan is not None
+    assert (nan.op, nan.module, nan.module_type, nan.phase, nan.kind, nan.value) == (
+        "aten::mul.Tensor",
+        "gate",
+        "ExpGate",
+        "backward",
+        "nan",
+        "nan",
+    )
+    assert nan.source == where_line and nan.lineno == line_of(ExpGate.forward, "torch.where")
+    assert nan.internal is None
+    assert str(nan).startswith(
+        f"aten::mul.Tensor in the backward of `gate` (ExpGate), for the forward line {where_line}"
+    )
+    assert nantrace.hunt(_gate_step, m, x, kind="inf") == c
+    _no_hunt_left()
+
+
+def test_t5_wo_linear_is_addmm_called_from_the_feed_forward_line() -> None:
+    m = t5_model()
+    x = torch.full((2, 16), 1100.0, dtype=torch.float16)
+    c = nantrace.hunt(m, x)
+    assert c is not None
+    assert (c.op, c.module, c.module_type, c.phase, c.kind) == (
+        "aten::addmm",
+        "ff.wo",
+        "Linear",
+        "forward",
+        "inf",
+    )
+    assert c.source == _src(T5FF.forward, "self.wo(")  # nn.Linear's own code is torch's: the caller's line
+    assert c.internal is False and c.output_kinds == frozenset({"posinf"})
+    assert c.input_absmax == 1100.0
+    nan = nantrace.hunt(m, x, kind="nan")
+    assert nan is not None
+    assert (nan.op, nan.module, nan.phase, nan.source) == (
+        "aten::mul.Tensor",
+        "norm",
+        "forward",
+        _src(RMSNorm.forward, "torch.rsqrt"),
+    )  # inf * rsqrt(inf) = inf * 0
+
+
+def _healthy_params(hunt_first: bool) -> tuple[nantrace.Culprit | None, list[torch.Tensor], torch.Tensor]:
+    torch.manual_seed(0)
+    m = Healthy()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+
+    def step() -> None:
+        opt.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        opt.step()
+
+    found = nantrace.hunt(step) if hunt_first else step()
+    step()
+    return found, [p.detach().clone() for p in m.parameters()], torch.get_rng_state()
+
+
+def test_healthy_training_step_returns_none_and_changes_no_value() -> None:
+    found, hunted, rng_hunted = _healthy_params(True)
+    _, plain, rng_plain = _healthy_params(False)
+    assert found is None
+    # a hunted step followed by a plain one ends exactly where two plain steps do
+    assert all(torch.equal(a, b) for a, b in zip(hunted, plain, strict=True))
+    assert torch.equal(rng_hunted, rng_plain)
+    _no_hunt_left()
+
+
+def test_optimizer_step_and_loss_outside_the_model_have_no_module() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4).half())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)  # CASES C07: eps rounds to 0 in fp16
+    x = torch.full((2, 4), 1e-3, dtype=torch.float16)
+
+    def step() -> None:
+        opt.zero_grad()
+        (model(x).sum() * 1e-3).backward()
+        opt.step()  # the optimizer line
+
+    c = nantrace.hunt(step)
+    assert c is not None
+    assert (c.phase, c.module, c.module_type, c.kind, c.value) == ("optimizer", None, None, "inf", "neginf")
+    assert c.op == "aten::addcdiv_" and c.code == "opt.step()  # the optimizer line"
+    assert "outside any module, optimizer" in str(c)
+
+    lin = nn.Linear(4, 3)
+    with torch.no_grad():
+        lin.weight.zero_()
+        lin.bias.copy_(torch.tensor([0.0, 30.0, 0.0]))
+
+    def loss_step() -> None:  # CASES C08: log(softmax) underflows to log(0) in fp16
+        with torch.autocast("cpu", dtype=torch.float16):
+            p = torch.softmax(lin(torch.ones(2, 4)), -1)[:, 0]
+            loss = -torch.log(p).mean()
+        loss.backward()
+
+    c = nantrace.hunt(loss_step)
+    assert c is not None
+    assert (c.op, c.phase, c.module, c.value, c.dtype) == ("aten::log", "forward", None, "neginf", "float16")
+    assert c.code == "loss = -torch.log(p).mean()"
+    assert (c.input_absmax, math.isnan(c.input_absmin)) == (0.0, True)  # the probability underflowed to 0
+
+
+class _MaskedSoftmax(nn.Module):
+    def forward(self, s: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        s = s.masked_fill(~keep, float("-inf"))  # an intended -inf: a scalar argument
+        e = torch.exp(s - s.amax(-1, keepdim=True))
+        return e / e.sum(-1, keepdim=True)
+
+
+def test_minus_inf_mask_from_a_scalar_is_not_a_culprit_but_a_fully_masked_row_is() -> None:
+    m = _MaskedSoftmax()
+    s = torch.randn(2, 3)
+    keep = torch.tensor([[True, True, False], [True, False, True]])
+    assert nantrace.hunt(m, s, keep) is None
+    keep[1] = False  # row 1 fully masked: -inf - (-inf) = NaN
+    c = nantrace.hunt(m, s, keep)
+    assert c is not None
+    assert (c.op, c.module, c.kind, c.code) == (
+        "aten::sub.Tensor",
+        "",
+        "nan",
+        "e = torch.exp(s - s.amax(-1, keepdim=True))",
+    )
+    assert "in `<root>` (_MaskedSoftmax)" in str(c)
+
+
+class _Scale(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(1000.0)  # in place: its input was finite before the op
+
+
+def test_in_place_op_is_judged_on_its_inputs_before_it_ran() -> None:
+    x = torch.full((3,), 100.0, dtype=torch.float16)
+    c = nantrace.hunt(_Scale(), x)
+    assert c is not None
+    assert (c.op, c.module, c.kind, c.input_absmax) == ("aten::mul_.Tensor", "", "inf", 100.0)
+    assert torch.isinf(x).all()  # the user's op ran as written
+
+
+def test_module_called_outside_the_first_tree_is_named_by_its_class() -> None:
+    lin = nn.Linear(2, 2)
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(2))
+        lin.bias.zero_()
+    norm = HandLayerNorm(2)
+
+    def step() -> None:
+        h = lin(torch.tensor([[300.0, -300.0]]))  # the first module called: the root ""
+        norm(h.half())  # not in lin's tree
+
+    c = nantrace.hunt(step)
+    assert c is not None and (c.module, c.op) == ("<HandLayerNorm>", "aten::pow.Tensor_Scalar")
+
+
+def test_an_exception_in_fn_propagates_and_removes_every_mode_and_hook() -> None:
+    def boom() -> None:
+        nn.Linear(2, 2)(torch.ones(2))
+        raise KeyError("from the step")
+
+    with pytest.raises(KeyError, match="from the step"):
+        nantrace.hunt(boom)
+    _no_hunt_left()
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(TypeError, match="fn must be a callable"):
+        nantrace.hunt(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kind must be None, 'inf' or 'nan'; got 'posinf'"):
+        nantrace.hunt(lambda: None, kind="posinf")
+    _no_hunt_left()
+
+
+def test_culprit_to_dict_holds_every_field() -> None:
+    c = nantrace.hunt(SimNet().half(), torch.full((1, 4), 200.0).half(), torch.ones(1, 4).half())
+    assert c is not None
+    d = c.to_dict()
+    assert list(d) == [
+        "op",
+        "module",
+        "module_type",
+        "phase",
+        "kind",
+        "value",
+        "dtype",
+        "source",
+        "filename",
+        "lineno",
+        "code",
+        "input_absmax",
+        "input_absmin",
+        "internal",
+        "output_kinds",
+        "ops_checked",
+    ]
+    assert (d["op"], d["dtype"], d["output_kinds"], d["internal"]) == (
+        "aten::sum.dim_IntList",
+        "float16",
+        [],
+        True,
+    )
+
+
+# ------------------------------------------------------------------ the locator points to the hunt
+def test_locator_suggests_hunt_for_hand_written_containers_and_internal_overflows() -> None:
+    m = t5_model()
+    with nantrace.trace(m) as tr:
+        m(torch.full((2, 16), 1100.0, dtype=torch.float16))
+    assert "nantrace.hunt" not in str(
+        tr.first_overflow()
+    )  # `ff.wo`, a Linear that output its inf: the answer
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sm = _MaskedSoftmax()
+
+        def forward(self, s: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+            return self.sm(s, keep)
+
+    w = Wrap()
+    with nantrace.trace(w) as tr:
+        w(torch.randn(2, 3), torch.tensor([[True, False, True], [False, False, False]]))
+    nan = str(tr.first_overflow(kind="nan"))
+    assert (
+        'nantrace.hunt(step_fn) (kind="nan" for the op that made the NaN itself)' in nan
+        and "`sm` is hand-written code (_MaskedSoftmax)" in nan
+    )
+
+    a = AttnModel(64)
+    with torch.no_grad():
+        for lin in (a.attn.q, a.attn.k, a.attn.v):
+            lin.weight.copy_(torch.eye(64))
+    a = a.half()
+    with nantrace.trace(a) as tr:
+        a(torch.full((1, 4, 64), 40.0, dtype=torch.float16))
+    msg = str(tr.first_overflow())  # the matmul's inf left `attn` as NaN: internal
+    assert "the +inf was made inside `attn` by `matmul` and never reached its output" in msg
+    assert 'capture="attn"' in msg
+
+    g = GateNet().half()
+    with nantrace.trace(g) as tr:
+        g(torch.tensor([[1.0, 2.0, 100.0, 3.0]], dtype=torch.float16)).sum().backward()
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.phase, ov.module) == ("backward", "gate")
+    assert "it names the backward op and the forward line it belongs to" in str(ov)
+
+
+def test_gradient_accumulation_overflow_is_the_parameters_owner() -> None:
+    model = nn.Sequential(nn.Linear(1, 1, bias=False)).half()
+    x = torch.full((1, 1), 40000.0, dtype=torch.float16)
+    model(x).sum().backward()  # weight.grad = 40000
+    c = nantrace.hunt(lambda: model(x).sum().backward())  # accumulates 40000 + 40000 = inf
+    assert c is not None
+    assert (c.op, c.module, c.module_type, c.phase, c.kind) == (
+        "aten::add_.Tensor",
+        "0",
+        "Linear",
+        "backward",
+        "inf",
+    )
+    assert c.source is None and c.input_absmax == 40000.0
+    assert torch.isposinf(model[0].weight.grad).all()
