@@ -9,20 +9,25 @@ that none of its inputs held is the culprit.
 Context for that op comes from three places:
 
 * **module**: global forward pre-/post-hooks (``torch.nn.modules.module.register_module_forward_pre_hook``)
-  keep a stack of the ``nn.Module`` calls in progress. Qualified names come from the outermost module called
-  (as in :func:`nantrace.trace`: ``model.named_modules()`` with wrapper prefixes dropped; the root is ``""``).
+  keep a stack of the ``nn.Module`` calls in progress. Qualified names come from the root (as in
+  :func:`nantrace.trace`: ``model.named_modules()`` with wrapper prefixes dropped; the root is ``""``; which
+  module is the root: :func:`hunt`).
 * **source line**: the innermost stack frame outside torch and nantrace (nantrace's ``examples`` count as user
   code), i.e. the line of the user's code that called the op.
 * **backward ops**: a ``TorchFunctionMode`` (above autograd) tags each autograd Node that a forward torch call
   created with its module and source line (in ``Node.metadata``). In backward,
   ``torch._C._current_autograd_node()`` names the Node whose formula is running, so a backward op is reported
-  with the forward module and line it belongs to.
+  with the forward module and line it belongs to. Nodes that mode never sees (a custom
+  ``torch.autograd.Function``'s, made by ``apply``) get the module from the module's forward hook; the ops of
+  a Python ``backward`` are reported at the line of that ``backward`` (the stack walk stops at autograd's
+  engine entry). A reentrant checkpoint's forward, recomputed inside backward, is tagged there too.
 
 Nothing here is used by :func:`nantrace.trace`; the hunt is slow by design (see :func:`hunt`).
 """
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import math
 import os
@@ -42,16 +47,26 @@ from torch.utils._pytree import tree_leaves
 
 from ._hooks import in_backward
 from ._locate import DType, _wanted
-from ._stats import describable, stats_device, stats_host
+from ._stats import describable, op_input_kinds, stats_device, stats_host
+from ._stats import tensor_kinds as _kinds
 
 __all__ = ["Culprit", "hunt"]
 
 _META_KEY = "nantrace"
 _WORDS = {"nan": "NaN", "posinf": "+inf", "neginf": "-inf"}
+_ORDER = ("nan", "posinf", "neginf")
 # Ops whose output is uninitialised memory: it may hold any bit pattern, NaN included, and is not a result.
+# Matched on the op's base name, so every overload counts (``aten::empty.memory_format``, ``empty.out``...).
 _UNINITIALISED = frozenset(
     {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided"}
 )
+
+
+def uninitialised(name: str) -> bool:
+    """True for an ``empty``-family op (any overload): ``aten::empty.memory_format``, ``aten::new_empty``..."""
+    return name.split(".", 1)[0] in _UNINITIALISED
+
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _NANTRACE_DIR = os.path.dirname(__file__) + os.sep
 _EXAMPLES_DIR = os.path.join(_NANTRACE_DIR, "examples") + os.sep
@@ -75,11 +90,21 @@ class Culprit:
         value: the exact kind: ``"posinf"``, ``"neginf"`` or ``"nan"``.
         dtype: dtype name of the output holding it (``"float16"``; compares equal to ``torch.float16`` too).
         source: ``"file.py:LINE"`` (file base name) of the user's code that called the op; for a backward op,
-            the forward line that created its Node. ``None`` when unknown.
+            the forward line that created its Node, except: an op run by a Python ``backward`` (a custom
+            ``torch.autograd.Function``) gives the line of that ``backward`` that ran it, and gradient
+            accumulation into a parameter's ``.grad`` (AccumulateGrad) gives the line that called
+            ``backward()`` (CPU; ``None`` on an accelerator, whose backward runs on the engine's own thread).
+            ``None`` when unknown (e.g. a Node created by a custom ``Function.apply``: its module is known,
+            the forward line is not). ``source_role`` says which of these it is.
+        source_role: ``"forward"`` (the op's own line, or for a backward op the forward line of its Node),
+            ``"python_backward"`` (a line of a Python ``backward``) or ``"backward_call"`` (the
+            ``backward()`` call).
         filename, lineno: the full path and line number behind ``source`` (``None`` when unknown).
         code: the text of that source line, stripped (``""`` when the file cannot be read).
         input_absmax: largest finite ``|x|`` over the op's floating-point tensor inputs (NaN when none).
         input_absmin: smallest finite non-zero ``|x|`` over them (NaN when none).
+        input_kinds: the non-finite kinds (``"nan"``, ``"posinf"``, ``"neginf"``) the op's inputs already held
+            (e.g. ``{"posinf"}`` for ``inf / inf`` = NaN); non-finite scalar arguments count.
         internal: ``True`` when the module's output did not hold the culprit's kind (the value stayed inside
             the module: "internal: output was finite", or it became another kind); ``False`` when it reached
             the output; ``None`` for backward/optimizer ops and ops outside any module.
@@ -105,6 +130,8 @@ class Culprit:
     internal: bool | None = None
     output_kinds: frozenset[str] = field(default=frozenset(), repr=False)
     ops_checked: int = field(default=0, repr=False, compare=False)
+    source_role: str = field(default="forward", repr=False)
+    input_kinds: frozenset[str] = field(default=frozenset(), repr=False)
 
     def __str__(self) -> str:
         name = f"`{self.module or '<root>'}`" + (f" ({self.module_type})" if self.module_type else "")
@@ -115,18 +142,25 @@ class Culprit:
                 if self.module is not None
                 else f"{self.op} in backward"
             )
-            head += f", for the forward line {line}" if line else ""
+            if line:
+                head += {
+                    "forward": f", for the forward line {line}",
+                    "python_backward": f", run by the Python backward at {line}",
+                    "backward_call": f", accumulating into a parameter's .grad in the backward() at {line}",
+                }[self.source_role]
         else:
             where = f"in {name}" if self.module is not None else "outside any module"
             head = f"{self.op} {where}, {self.phase}" + (f", at {line}" if line else "")
         w = _WORDS[self.value]
+        held = ", ".join(_WORDS[k] for k in _ORDER if k in self.input_kinds)
         made = (
-            f": made {w} ({self.dtype}) from inputs holding no {w} (input absmax {_g(self.input_absmax)}, "
-            f"smallest non-zero |x| {_g(self.input_absmin)})."
+            f": made {w} ({self.dtype}) from inputs holding no {w}"
+            + (f" but {held}" if held else "")
+            + f" (finite input absmax {_g(self.input_absmax)}, smallest non-zero |x| {_g(self.input_absmin)})."
         )
         if self.internal is True:
             if self.output_kinds:
-                held = ", ".join(_WORDS[k] for k in sorted(self.output_kinds))
+                held = ", ".join(_WORDS[k] for k in _ORDER if k in self.output_kinds)
                 tail = f" internal: the module's output held {held} instead, so the module boundary hid it."
             else:
                 tail = " internal: output was finite, so the module boundary hid it."
@@ -137,11 +171,16 @@ class Culprit:
         return head + made + tail
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a plain dict (``output_kinds`` as a sorted list)."""
+        """The fields as a plain dict (``output_kinds``, ``input_kinds`` as sorted lists)."""
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
         out["dtype"] = str(self.dtype)
         out["output_kinds"] = sorted(self.output_kinds)
+        out["input_kinds"] = sorted(self.input_kinds)
         return out
+
+
+def _has_params(m: nn.Module) -> bool:
+    return next(iter(m.parameters()), None) is not None
 
 
 def _g(v: float) -> str:
@@ -171,35 +210,32 @@ def user_frame(frame: FrameType | None) -> FrameType | None:
     while frame is not None:
         if frame.f_code in _BOUNDARIES:
             return None
-        fname = frame.f_code.co_filename
-        own = fname.startswith(_NANTRACE_DIR) and not fname.startswith(_EXAMPLES_DIR)
-        if not (fname.startswith(_TORCH_DIR) or own or fname.startswith("<frozen")):
+        if not _torch_or_own(frame.f_code.co_filename):
             return frame
         frame = frame.f_back
     return None
 
 
-def _kinds(t: torch.Tensor) -> frozenset[str]:
-    """Non-finite kinds held by a describable tensor (one ``isfinite`` pass when it is clean)."""
-    x = t.detach()
-    if x.element_size() == 1:
-        x = x.float()
-    if bool(torch.isfinite(x).all()):
-        return frozenset()
-    out = []
-    if bool(torch.isnan(x).any()):
-        out.append("nan")
-    if bool(torch.isposinf(x).any()):
-        out.append("posinf")
-    if bool(torch.isneginf(x).any()):
-        out.append("neginf")
-    return frozenset(out)
+def _torch_or_own(fname: str) -> bool:
+    own = fname.startswith(_NANTRACE_DIR) and not fname.startswith(_EXAMPLES_DIR)
+    return fname.startswith(_TORCH_DIR) or own or fname.startswith("<frozen")
 
 
-def _scalar_kinds(v: Any) -> frozenset[str]:
-    if isinstance(v, float) and not math.isfinite(v):
-        return frozenset({"nan" if math.isnan(v) else ("posinf" if v > 0 else "neginf")})
-    return frozenset()
+def backward_frames(frame: FrameType | None) -> tuple[FrameType | None, FrameType | None]:
+    """For an op running in autograd's backward: (the user frame of a Python ``backward`` it ran in, e.g. a
+    custom ``torch.autograd.Function``'s, else ``None``; the user frame that called ``backward()``, else
+    ``None``). The engine's entry (``_engine_run_backward``) separates the two: a user frame inside it is a
+    Python backward, the first one outside it called ``backward()``. On an accelerator the engine runs the
+    backward on its own thread, whose stack does not reach the ``backward()`` call (``None`` then)."""
+    inner: FrameType | None = None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_engine_run_backward" and code.co_filename.startswith(_TORCH_DIR):
+            return inner, user_frame(frame.f_back)
+        if inner is None and not _torch_or_own(code.co_filename):
+            inner = frame
+        frame = frame.f_back
+    return inner, None
 
 
 def kinds_of_tree(obj: Any) -> frozenset[str]:
@@ -238,12 +274,14 @@ class _Found:
     watch: tuple[int, int] | None  # (id of the module, depth in the call stack) whose output to check
     internal: bool | None = None
     output_kinds: frozenset[str] = frozenset()
+    role: str = "forward"
+    input_kinds: frozenset[str] = frozenset()
 
 
 class _Hunter:
     """The state of one hunt: module stack, names, the modes and global hooks, and the culprit."""
 
-    def __init__(self, wanted: tuple[str, ...]) -> None:
+    def __init__(self, wanted: tuple[str, ...], fn: Any = None) -> None:
         self.wanted = frozenset(wanted)
         self.stack: list[tuple[nn.Module, str, str]] = []
         self.names: dict[int, str] = {}
@@ -251,7 +289,11 @@ class _Hunter:
         self.found: _Found | None = None
         self.n_ops = 0
         self.in_optimizer = 0
-        self.roots = 0
+        self.rooted = False  # the naming root has been called
+        self.outside: dict[int, str] = {}  # names of modules outside the root's tree (<ClassName>...)
+        self.fn: Any = fn
+        self.first_top: str | None = None  # the first top-level module's name when it was not the root
+        self.bw_modes: list[tuple[int, int, TorchFunctionMode]] = []  # (module id, depth, mode) in backward
 
     # ------------------------------------------------------------ module context
     def _name(self, m: nn.Module) -> str:
@@ -261,31 +303,70 @@ class _Hunter:
         from ._repro import REPRO_NAMES
         from ._trace import module_names  # the same names as nantrace.trace()
 
-        # a module outside the first root's tree (e.g. a loss module called after the model): <ClassName>;
-        # a Repro's module: its name in the traced model
-        base = "" if self.roots == 0 else f"<{type(m).__name__}>"
-        base = REPRO_NAMES.get(m, base)
-        self.roots += 1
+        # The root is the module passed as fn, else the first module *with parameters* called while no other
+        # module runs (the rule of `nantrace run`); a Repro's module keeps its name in the traced model. Any
+        # other module called outside the root's tree (a parameter-free preprocessing module before the model,
+        # a loss module after it) is <ClassName>, and a later root renames those of its own tree.
+        repro = REPRO_NAMES.get(m)
+        root = not self.rooted and (
+            repro is not None
+            or m is self.fn
+            or (not isinstance(self.fn, nn.Module) and not self.stack and _has_params(m))
+        )
+        if not root:
+            name = self.outside.get(id(m))
+            if name is not None:
+                return name
+            if not self.stack and self.first_top is None:
+                self.first_top = f"<{type(m).__name__}>"
+        base = (repro or "") if root else f"<{type(m).__name__}>"
+        self.rooted = self.rooted or root
         for n, sub in module_names(m):
             full = ".".join(p for p in (base, n) if p)
-            self.names.setdefault(id(sub), full)
+            if root:
+                self.names[id(sub)] = full
+            else:
+                self.outside.setdefault(id(sub), full)
             for p in sub.parameters(recurse=False):
-                self.param_owner.setdefault(id(p), (full, type(sub).__name__))
-        return self.names.get(id(m), base)
+                if root:
+                    self.param_owner[id(p)] = (full, type(sub).__name__)
+                else:
+                    self.param_owner.setdefault(id(p), (full, type(sub).__name__))
+        return self.names.get(id(m)) or self.outside.get(id(m), base)
 
     def pre(self, module: nn.Module, args: Any) -> None:
         self.stack.append((module, self._name(module), type(module).__name__))
+        if (
+            self.found is None
+            and in_backward()
+            and torch.is_grad_enabled()
+            and not torch._C._is_torch_function_mode_enabled()
+        ):
+            # a forward recomputed inside backward (reentrant checkpoint): autograd's engine runs it without
+            # the torch-function mode stack, so tag its Nodes with a mode entered for this module call
+            mode = _TagMode(self)
+            mode.__enter__()
+            self.bw_modes.append((id(module), len(self.stack) - 1, mode))
 
     def post(self, module: nn.Module, args: Any, output: Any) -> None:
         for i in range(len(self.stack) - 1, -1, -1):
             if self.stack[i][0] is module:
                 found = self.found
+                if found is None and torch.is_grad_enabled():
+                    _, name, mtype = self.stack[i]
+                    self._tag_nodes(output, args, (name, mtype, None, None))
                 if found is not None and found.watch == (id(module), i):
                     found.output_kinds = kinds_of_tree(output)
                     found.internal = found.value not in found.output_kinds
                     found.watch = None
                 del self.stack[i:]
+                self.exit_modes(i)
                 return
+
+    def exit_modes(self, depth: int = 0) -> None:
+        """Exit the tag modes entered by :meth:`pre` for module calls at ``depth`` or deeper."""
+        while self.bw_modes and self.bw_modes[-1][1] >= depth:
+            self.bw_modes.pop()[2].__exit__(None, None, None)
 
     def context(self) -> tuple[str | None, str | None]:
         if not self.stack:
@@ -298,18 +379,11 @@ class _Hunter:
         if self.found is not None or getattr(func, "is_view", False):
             return func(*args, **kwargs)
         name = op_name(func)
-        if name in _UNINITIALISED:
+        if uninitialised(name):
             return func(*args, **kwargs)
         self.n_ops += 1
-        tensors: list[torch.Tensor] = []
-        before: frozenset[str] = frozenset()
-        for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor):
-                if describable(leaf) and leaf.device.type != "meta":
-                    tensors.append(leaf)
-                    before |= _kinds(leaf)
-            else:  # a non-finite scalar argument (masked_fill(-inf), full(-inf)) is intended, not produced
-                before |= _scalar_kinds(leaf)
+        # a non-finite scalar argument (masked_fill(-inf), full(-inf)) is intended, not produced
+        tensors, before = op_input_kinds(args, kwargs)
         # an in-place/out= op overwrites an input: take the input range (for the report) before it runs
         mutable = getattr(getattr(func, "_schema", None), "is_mutable", False)
         ranged = _input_range(tensors) if mutable else None
@@ -320,24 +394,32 @@ class _Hunter:
             new = (_kinds(leaf) & self.wanted) - before
             if new:
                 value = next(k for k in ("nan", "posinf", "neginf") if k in new)
-                self._record(name, value, leaf.dtype, ranged or _input_range(tensors))
+                self._record(name, value, leaf.dtype, ranged or _input_range(tensors), before)
                 break
         return out
 
-    def _record(self, op: str, value: str, dtype: torch.dtype, ranged: tuple[float, float]) -> None:
+    def _record(
+        self, op: str, value: str, dtype: torch.dtype, ranged: tuple[float, float], before: frozenset[str]
+    ) -> None:
         node = torch._C._current_autograd_node()
         filename: str | None = None
         lineno: int | None = None
         watch: tuple[int, int] | None = None
+        role = "forward"
         if node is not None or in_backward():
             phase = "backward"
             module, mtype = None, None
             meta = getattr(node, "metadata", None) if node is not None else None
             info = meta.get(_META_KEY) if isinstance(meta, dict) else None
+            python_bw, caller = backward_frames(sys._getframe(1))
             if info is not None:
                 module, mtype, filename, lineno = info
             elif node is not None and hasattr(node, "variable"):  # AccumulateGrad: a parameter's .grad
                 module, mtype = self.param_owner.get(id(node.variable), (None, None))
+                if caller is not None:
+                    filename, lineno, role = caller.f_code.co_filename, caller.f_lineno, "backward_call"
+            if python_bw is not None:  # a custom autograd.Function's backward: the line that ran the op
+                filename, lineno, role = python_bw.f_code.co_filename, python_bw.f_lineno, "python_backward"
         else:
             phase = "optimizer" if self.in_optimizer else "forward"
             module, mtype = self.context()
@@ -349,13 +431,26 @@ class _Hunter:
         absmax, absmin = ranged
         self.found = _Found(
             op, module, mtype, phase, value, str(dtype).removeprefix("torch."), filename, lineno, absmax,
-            absmin, self.n_ops, watch,
+            absmin, self.n_ops, watch, role=role, input_kinds=before,
         )  # fmt: skip
 
     def tag(self, out: Any, args: Any, kwargs: Any) -> None:
-        """Tag the autograd Nodes a forward torch call created with (module, type, file, line)."""
-        if self.found is not None or in_backward():
+        """Tag the autograd Nodes a forward torch call created with (module, type, file, line). Also in
+        backward: a reentrant checkpoint (``use_reentrant=True``) recomputes its forward there with grad on,
+        and the backward then runs through those new Nodes. Nodes already tagged are left as they are."""
+        if self.found is not None:
             return
+        if not any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in tree_leaves(out)):
+            return
+        module, mtype = self.context()
+        frame = user_frame(sys._getframe(2))
+        info = (module, mtype, *((frame.f_code.co_filename, frame.f_lineno) if frame else (None, None)))
+        self._tag_nodes(out, (args, kwargs), info)
+
+    def _tag_nodes(self, out: Any, inputs: Any, info: tuple[Any, ...]) -> None:
+        """Tag the untagged Nodes reachable from ``out``'s ``grad_fn`` (stopping at ``inputs``' own and at
+        parameters' AccumulateGrad) with ``info``. The module post-hook calls it too, with the module and no
+        line, for Nodes the torch-function mode never saw (a custom ``autograd.Function``'s ``apply``)."""
         starts = [
             t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
         ]
@@ -363,12 +458,9 @@ class _Hunter:
             return
         stop = {
             id(t.grad_fn)
-            for t in tree_leaves((args, kwargs))
+            for t in tree_leaves(inputs)
             if isinstance(t, torch.Tensor) and t.grad_fn is not None
         }
-        module, mtype = self.context()
-        frame = user_frame(sys._getframe(2))
-        info = (module, mtype, *((frame.f_code.co_filename, frame.f_lineno) if frame else (None, None)))
         todo: list[Any] = list(starts)
         while todo:
             node = todo.pop()
@@ -385,9 +477,13 @@ class _Hunter:
         if f is None:
             return None
         code = linecache.getline(f.filename, f.lineno).strip() if f.filename and f.lineno else ""
+        module = f.module
+        top = self.first_top
+        if not self.rooted and top is not None and module is not None and module.split(".", 1)[0] == top:
+            module = module[len(top) + 1 :]  # no module with parameters ran: the first one called is the root
         return Culprit(
             op=f.op,
-            module=f.module,
+            module=module,
             module_type=f.module_type,
             phase=f.phase,
             kind="nan" if f.value == "nan" else "inf",
@@ -402,6 +498,8 @@ class _Hunter:
             internal=f.internal,
             output_kinds=f.output_kinds,
             ops_checked=f.index,
+            source_role=f.role if f.filename and f.lineno else "forward",
+            input_kinds=f.input_kinds,
         )
 
 
@@ -446,9 +544,13 @@ def hunt(fn: Callable[..., Any], *args: Any, kind: str | None = None, **kwargs: 
     ``fn`` is any callable: a training step (forward, loss, ``backward()``, ``optimizer.step()``), a forward
     call, or :meth:`nantrace.Repro.run`. It runs to the end and its return value is discarded; an exception
     from it propagates unchanged after the hunt's modes and hooks are removed. Modules are discovered as they
-    are called: names are qualified names under the first (outermost) module called, which is ``""``; a module
-    outside that tree (a loss module) is named ``<ClassName>``; a :class:`nantrace.Repro`'s module keeps its
-    name in the traced model (also in ``hunt(lambda: repro.run().sum().backward())``).
+    are called, and named as :func:`nantrace.trace` names them: qualified names under the *root*, which is
+    ``""``. The root is ``fn`` itself when it is an ``nn.Module``, else the first module with parameters called
+    while no other module runs (the rule of ``nantrace run``), so a parameter-free module called before the
+    model (``x = pre(x)``) does not rename it. A module outside the root's tree (that preprocessing module, a
+    loss module) is named ``<ClassName>`` (its submodules ``<ClassName>.sub``); when no module with
+    parameters runs at all, the first one called is the root. A :class:`nantrace.Repro`'s module keeps its name
+    in the traced model (also in ``hunt(lambda: repro.run().sum().backward())``).
 
     Cost: slow by design, for one step. Every op's tensor inputs and outputs get an ``isfinite`` pass read on
     the host (a device sync per op on an accelerator) and every op goes through Python twice (a dispatch mode
@@ -467,16 +569,33 @@ def hunt(fn: Callable[..., Any], *args: Any, kind: str | None = None, **kwargs: 
         a :class:`Culprit`, or ``None`` when no op produced a wanted kind.
 
     Raises:
-        TypeError: ``fn`` is not callable.
+        TypeError: ``fn`` is not callable (e.g. the result of a call was passed), or is a generator or
+            ``async`` function (calling it would run none of its body).
         ValueError: ``kind`` is not ``None``, ``"inf"`` or ``"nan"``.
     """
     if not callable(fn):
         raise TypeError(
             f"hunt(fn, ...): fn must be a callable (e.g. a function running one training step); got "
-            f"{type(fn).__name__}: {fn!r:.80}"
+            f"{type(fn).__name__}: {fn!r:.80}. This is usually the result of a call, hunt(step(x)): pass the "
+            "function and its arguments instead, hunt(step, x), or a lambda: hunt(lambda: step(x))."
+        )
+    target = inspect.unwrap(fn) if inspect.isfunction(fn) or inspect.ismethod(fn) else fn
+    if (
+        inspect.isgeneratorfunction(target)
+        or inspect.isasyncgenfunction(target)
+        or inspect.iscoroutinefunction(target)
+    ):
+        what = (
+            "a coroutine (async) function" if inspect.iscoroutinefunction(target) else "a generator function"
+        )
+        raise TypeError(
+            f"hunt(fn, ...): fn {getattr(fn, '__qualname__', fn)!r} is {what}: calling it only creates "
+            f"{'a coroutine' if 'async' in what else 'a generator'} and runs none of its body, so nothing "
+            "would be checked. Pass a plain function that runs the step (e.g. lambda: list(gen()) or "
+            "lambda: asyncio.run(coro_fn()))."
         )
     wanted = _wanted(kind)
-    hunter = _Hunter(wanted)
+    hunter = _Hunter(wanted, fn)
     handles = []
     try:
         handles.append(_nn_module.register_module_forward_pre_hook(hunter.pre))
@@ -486,6 +605,7 @@ def hunt(fn: Callable[..., Any], *args: Any, kind: str | None = None, **kwargs: 
         with _TagMode(hunter), _OpMode(hunter):
             fn(*args, **kwargs)
     finally:
+        hunter.exit_modes()
         for h in handles:
             h.remove()
     return hunter.result()

@@ -114,3 +114,96 @@ class Healthy(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(torch.relu(self.fc(x)))
+
+
+class ZeroDivGrad(torch.autograd.Function):
+    """Forward ``2x``; a hand-written backward that divides by ``x - x`` (0): +inf for a positive gradient."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return g / (x - x)
+
+
+class FnMod(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ZeroDivGrad.apply(x)  # type: ignore[no-any-return]
+
+
+class FnNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.f = FnMod()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.f(self.lin(x))
+
+
+class SqrtGate(nn.Module):
+    """``where(x > 0, sqrt(x), 0)``: finite forward; at x = 0 sqrt's gradient is 1/0 = inf and where sends it
+    a 0, so the backward is 0/0 = NaN (float32 too)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, torch.sqrt(x), torch.zeros_like(x))
+
+
+class CheckpointNet(nn.Module):
+    """An identity Linear, then :class:`SqrtGate` under activation checkpointing."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.g = SqrtGate()
+        self.reentrant = reentrant
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.eye(4))
+            self.lin.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.relu(self.lin(x))
+        return checkpoint(self.g, h, use_reentrant=self.reentrant)  # type: ignore[no-any-return]
+
+
+class SqrtNet(nn.Module):
+    """An identity Linear, then :class:`SqrtGate` (float32: a backward NaN that is no overflow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.g = SqrtGate()
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.eye(4))
+            self.lin.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g(self.lin(x))
+
+
+class Boom(nn.Module):
+    """``x * 1000``: parameter-free; in float16 inputs of 100 give 1e5 = inf."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1000.0
+
+
+class FirstSecond(nn.Module):
+    """A submodule literally named ``first`` (an identity Linear, clean) and ``second`` (:class:`Boom`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(2, 2)
+        self.second = Boom()
+        with torch.no_grad():
+            self.first.weight.copy_(torch.eye(2))
+            self.first.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))

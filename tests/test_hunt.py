@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import inspect
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from _models_hunt import (
+    Boom,
+    CheckpointNet,
     CosineSimilarity,
     ExpGate,
+    FnNet,
     GateNet,
     HandLayerNorm,
     Healthy,
     NormNet,
     SimNet,
+    SqrtGate,
+    SqrtNet,
+    ZeroDivGrad,
     line_of,
     t5_model,
 )
@@ -298,6 +305,8 @@ def test_culprit_to_dict_holds_every_field() -> None:
         "internal",
         "output_kinds",
         "ops_checked",
+        "source_role",
+        "input_kinds",
     ]
     assert (d["op"], d["dtype"], d["output_kinds"], d["internal"]) == (
         "aten::sum.dim_IntList",
@@ -365,5 +374,192 @@ def test_gradient_accumulation_overflow_is_the_parameters_owner() -> None:
         "backward",
         "inf",
     )
-    assert c.source is None and c.input_absmax == 40000.0
+    assert c.input_absmax == 40000.0
+    # the line that called backward(): the lambda above (CPU: the engine runs on the calling thread)
+    here = inspect.getsourcelines(test_gradient_accumulation_overflow_is_the_parameters_owner)
+    call_line = here[1] + next(i for i, t in enumerate(here[0]) if "c = nantrace.hunt(lambda" in t)
+    assert (c.source, c.source_role) == (f"test_hunt.py:{call_line}", "backward_call")
+    assert "accumulating into a parameter's .grad in the backward() at test_hunt.py:" in str(c)
     assert torch.isposinf(model[0].weight.grad).all()
+
+
+# ------------------------------------------------------------------ fresh-user findings
+def test_every_empty_family_overload_is_skipped() -> None:
+    def buf() -> torch.Tensor:
+        a = torch.full((4096,), float("nan"))
+        del a  # its memory may come back from torch.empty below
+        b = torch.empty(4096)  # aten::empty.memory_format
+        b.copy_(torch.ones(4096))
+        return b.sum()
+
+    assert nantrace.hunt(buf) is None
+    ones = torch.ones(8)
+    others = [
+        lambda: torch.empty_like(ones).fill_(1.0),  # aten::empty_like
+        lambda: ones.new_empty(8).fill_(1.0),  # aten::new_empty
+        lambda: torch.empty_strided((8,), (1,)).fill_(1.0),  # aten::empty_strided
+    ]
+    assert [nantrace.hunt(f) for f in others] == [None, None, None]
+    from nantrace._hunt import uninitialised
+
+    assert [
+        uninitialised(n) for n in ("aten::empty.memory_format", "aten::new_empty_strided", "aten::emptyish")
+    ] == [
+        True,
+        True,
+        False,
+    ]
+
+
+def test_custom_function_backward_names_the_forward_module_and_the_backward_line() -> None:
+    torch.manual_seed(0)
+    n = FnNet()
+    c = nantrace.hunt(lambda: n(torch.randn(2, 4)).sum().backward())
+    assert c is not None
+    assert (c.op, c.module, c.module_type, c.phase, c.kind, c.value) == (
+        "aten::div.Tensor",
+        "f",
+        "FnMod",
+        "backward",
+        "inf",
+        "posinf",
+    )
+    assert c.source == _src(ZeroDivGrad.backward, "g / (x - x)") and c.source_role == "python_backward"
+    assert c.code == "return g / (x - x)"
+    assert f"in the backward of `f` (FnMod), run by the Python backward at {c.source}" in str(c)
+    _no_hunt_left()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_backward_keeps_module_and_line(reentrant: bool) -> None:
+    m = CheckpointNet(reentrant)
+    x = torch.tensor([[-1.0, 0.0, 1.0, 2.0]], requires_grad=True)  # relu gives 0 at two entries
+    c = nantrace.hunt(lambda: m(x).sum().backward(), kind="nan")
+    assert c is not None
+    assert (c.op, c.module, c.module_type, c.phase, c.kind, c.source, c.source_role) == (
+        "aten::div.Tensor",
+        "g",
+        "SqrtGate",
+        "backward",
+        "nan",
+        _src(SqrtGate.forward, "torch.where"),
+        "forward",
+    )
+    _no_hunt_left()
+
+
+def test_a_parameter_free_module_called_before_the_model_does_not_become_the_root() -> None:
+    m = NormNet().half()
+    x = torch.tensor([[300.0, -300.0, 1.0, 2.0]], dtype=torch.float16)
+    with nantrace.trace(m) as tr:
+        m(x)
+    traced = set(tr.records["module"].astype(str))
+    pre = nn.Identity()
+    c = nantrace.hunt(lambda: m(pre(x)))
+    assert c is not None and (c.module, c.op) == ("norm", "aten::pow.Tensor_Scalar")
+    assert c.module in traced  # the same name as nantrace.trace(m)
+    boom = Boom()
+    c = nantrace.hunt(lambda: m(boom(torch.full((1, 4), 100.0, dtype=torch.float16))))
+    assert c is not None and (c.module, c.module_type, c.op) == ("<Boom>", "Boom", "aten::mul.Tensor")
+    # no module with parameters at all: the first one called is the root, as for hunt(module, x)
+    c = nantrace.hunt(lambda: SimNet().half()(torch.full((1, 4), 200.0).half(), torch.ones(1, 4).half()))
+    assert c is not None and c.module == "sim"
+
+
+def test_generators_coroutines_and_call_results_are_refused() -> None:
+    def gen() -> object:
+        yield torch.ones(1) * 2
+
+    async def coro() -> None:
+        return None
+
+    with pytest.raises(
+        TypeError, match=r"fn 'test_generators.*gen' is a generator function: calling it only"
+    ):
+        nantrace.hunt(gen)
+    with pytest.raises(TypeError, match=r"is a coroutine \(async\) function"):
+        nantrace.hunt(coro)
+    with pytest.raises(TypeError, match=r"got Tensor: .*usually the result of a call, hunt\(step\(x\)\)"):
+        nantrace.hunt(torch.ones(1))  # type: ignore[arg-type]
+    _no_hunt_left()
+
+
+def test_inf_over_inf_says_the_inputs_held_inf() -> None:
+    inf = torch.full((2,), float("inf"))
+    c = nantrace.hunt(lambda: inf / inf)
+    assert c is not None and (c.op, c.value, c.input_kinds) == (
+        "aten::div.Tensor",
+        "nan",
+        frozenset({"posinf"}),
+    )
+    assert "made NaN (float32) from inputs holding no NaN but +inf (finite input absmax n/a" in str(c)
+
+
+class Linear(nn.Module):
+    """A hand-written class that happens to be named like torch's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((2,), 1000.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+class MyLinear(nn.Linear):
+    pass
+
+
+def test_hunt_hint_judges_built_in_by_where_forward_is_defined(tmp_path: Path) -> None:
+    mine = MyLinear(2, 2).half()
+    with torch.no_grad():
+        mine.weight.fill_(1000.0)
+        mine.bias.zero_()
+    for layer, hinted in ((mine, False), (Linear().half(), True)):
+        m = nn.Sequential(layer)
+        with nantrace.trace(m) as tr:
+            m(torch.full((1, 2), 100.0, dtype=torch.float16))
+        ov = tr.first_overflow()
+        assert ov is not None and (ov.module, ov.phase) == ("0", "forward")
+        assert ("nantrace.hunt" in str(ov)) is hinted, str(ov)
+        if hinted:
+            assert "`0` is hand-written code (Linear)" in str(ov)
+        assert ("nantrace.hunt" in str(nantrace.load(tr.save(tmp_path / "t.nantrace")).first_overflow())) is (
+            not hinted  # a loaded trace has no model: the class-name rule (MyLinear: hint; Linear: none)
+        )
+
+
+def test_backward_nan_is_explained_as_an_invalid_operation_not_an_overflow() -> None:
+    for dtype in (torch.float32, torch.float16):
+        m = SqrtNet().to(dtype)
+        with nantrace.trace(m) as tr:
+            m(torch.tensor([[0.0, 1.0, 4.0, 9.0]], dtype=dtype)).sum().backward()
+        ov = tr.first_overflow()
+        assert ov is not None and (ov.phase, ov.module, ov.kind, ov.tensor) == (
+            "backward",
+            "g",
+            "nan",
+            "grad_input[0]",
+        )
+        msg = str(ov)
+        name = str(dtype).removeprefix("torch.")
+        assert msg.startswith(
+            "At step 0, the backward of `g` (SqrtGate) turned finite incoming gradients (grad_output absmax 1) "
+            f"into NaN in `grad_input[0]` ({name}): an invalid operation in its backward (0·inf, inf−inf, 0/0, "
+            "sqrt/log of a negative). Not an overflow"
+        ), msg
+        assert "float32 or" not in msg and "overflows above" not in msg
+        assert tr.diagnose().cause == "invalid_op"
+
+
+def test_float32_forward_overflow_does_not_advise_float32() -> None:
+    lin = nn.Linear(2, 2)
+    with torch.no_grad():
+        lin.weight.fill_(1e30)
+        lin.bias.zero_()
+    m = nn.Sequential(lin)
+    with nantrace.trace(m) as tr:
+        m(torch.full((1, 2), 1e10))
+    msg = str(tr.first_overflow())
+    assert "float32 overflows above 3.40282e+38" in msg and "Keep `0` in float32" not in msg
+    assert "Values beyond the float32 range mean a computation that blows up" in msg

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _models_hunt import GateNet, line_of, t5_model
-from test_cases import T5FF, C02Model
+from _models_hunt import Boom, FirstSecond, GateNet, line_of, t5_model
+from test_cases import T5FF, C02Model, C06Model, Gate
 from torch import nn
 
 import nantrace
@@ -161,7 +161,7 @@ def test_save_repro_without_a_capture_says_how_to_get_one(tmp_path: Path) -> Non
         m(X)
     ov = tr.first_overflow()
     assert ov is not None
-    with pytest.raises(nantrace.NantraceError, match=r"no call was captured.*capture='first'"):
+    with pytest.raises(nantrace.NantraceError, match=r"this trace has no capture.*capture='first'"):
         ov.save_repro(tmp_path / "x.repro")
     g = GateNet().half()  # forward finite, backward NaN: no forward call to keep
     with nantrace.trace(g, capture="first") as tr:
@@ -283,3 +283,170 @@ def test_a_module_that_builds_a_minus_inf_mask_is_neither_captured_nor_reported(
     assert torch.isfinite(out).all()
     assert tr._capture is not None and tr._capture.kept is None
     assert tr.first_overflow() is None
+
+
+# ------------------------------------------------------------------ fresh-user findings
+def _gate_then_fc_overflow() -> tuple[nn.Module, nantrace.Trace]:
+    """Step 0: a backward-only NaN in `gate`; step 1: a forward +inf in `fc` (weights x10, inputs 10000)."""
+    g = GateNet().half()
+    with nantrace.trace(g, capture="first") as tr:
+        g(torch.tensor([[1.0, 2.0, 100.0, 3.0]], dtype=torch.float16)).sum().backward()
+        tr.step()
+        with torch.no_grad():
+            g.fc.weight.mul_(10.0)
+        g(torch.full((1, 4), 10000.0, dtype=torch.float16))
+        tr.step()
+    return g, tr
+
+
+def test_overflow_save_repro_refuses_a_captured_call_of_another_event(tmp_path: Path) -> None:
+    _, tr = _gate_then_fc_overflow()
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase, ov.module) == (0, "backward", "gate")
+    with pytest.raises(nantrace.NantraceError) as e:
+        ov.save_repro(tmp_path / "x.repro")
+    assert str(e.value).startswith(
+        "save_repro: this Overflow is a backward overflow in `gate` (call 0, `grad_input[0]`) at step 0, but the "
+        "captured call is `fc` call 0 at step 1 whose forward produced posinf: a reproducer of it would not be "
+        "this event. To save the captured call anyway use trace.save_repro(path)"
+    )
+    assert os.listdir(tmp_path) == []
+    repro = nantrace.load_repro(tr.save_repro(tmp_path / "fc.repro"))  # whatever was captured
+    assert (repro.module_name, repro.step, repro.call, repro.kinds) == ("fc", 1, 0, ("posinf",))
+    fwd = tr.overflows().query("phase == 'forward'")
+    assert fwd[["step", "module"]].values.tolist() == [[1, "fc"]]
+
+
+def test_backward_only_nan_is_reproduced_from_a_named_capture(tmp_path: Path) -> None:
+    m = C06Model()
+    with torch.no_grad():
+        m.proj.weight.zero_()
+        m.proj.bias.fill_(-20.0)  # sigmoid ≈ 0, so p = x
+    m = m.half()
+    x = torch.tensor([[0.1, 0.2, 1.0, 0.3]], dtype=torch.float16)
+    with nantrace.trace(m, capture="gate") as tr:
+        m(x).sum().backward()
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.phase, ov.module, ov.kind) == ("backward", "gate", "nan")
+    with pytest.raises(nantrace.NantraceError, match=r"this Overflow is a backward overflow in `gate`"):
+        ov.save_repro(tmp_path / "x.repro")  # the captured call is the forward, not this backward event
+    repro = nantrace.load_repro(tr.save_repro(tmp_path / "gate.repro"))
+    assert (repro.module_name, repro.step, repro.call, repro.kinds, repro.input_grad) == (
+        "gate",
+        0,
+        0,
+        (),
+        (True,),
+    )
+    assert "forward clean (kept for a backward fault)" in repr(repro)
+    c = nantrace.hunt(lambda: repro.run().sum().backward(), kind="nan")
+    assert c is not None
+    assert (c.op, c.module, c.module_type, c.phase, c.kind) == (
+        "aten::div.Tensor",
+        "gate",
+        "Gate",
+        "backward",
+        "nan",
+    )
+    assert c.source == f"test_cases.py:{line_of(Gate.forward, 'log1p')}"
+    assert repro.last_args is not None
+    grad = repro.last_args[0].grad
+    assert grad is not None and torch.isnan(grad).tolist() == [[False, False, True, False]]
+
+
+def test_parameters_keep_their_requires_grad_and_inputs_theirs(tmp_path: Path) -> None:
+    lin = nn.Linear(2, 2).half()
+    with torch.no_grad():
+        lin.weight.fill_(1000.0)
+    lin.bias.requires_grad_(False)
+    m = nn.Sequential(lin)
+    x = torch.full((1, 2), 100.0, dtype=torch.float16)  # a data input: requires_grad False
+    with nantrace.trace(m, capture="first") as tr:
+        m(x)
+    repro = nantrace.load_repro(tr.first_overflow().save_repro(tmp_path / "lin.repro"))  # type: ignore[union-attr]
+    assert repro.input_grad == (False,)
+    assert (repro.module.weight.requires_grad, repro.module.bias.requires_grad) == (True, False)
+    repro.run().float().sum().backward()
+    assert repro.last_args is not None and repro.last_args[0].grad is None
+    assert repro.module.weight.grad is not None and repro.module.bias.grad is None
+
+
+def test_a_named_capture_that_never_overflowed_names_itself_and_the_overflow(tmp_path: Path) -> None:
+    m = FirstSecond().half()
+    with nantrace.trace(m, capture="first") as tr:  # "first" = every module
+        m(torch.full((1, 2), 100.0, dtype=torch.float16))
+    assert tr.options["capture"] == "first"
+    assert nantrace.load_repro(tr.save_repro(tmp_path / "all.repro")).module_name == "second"
+    with nantrace.trace(m, capture=["first"]) as tr:  # the module literally named `first`
+        m(torch.full((1, 2), 100.0, dtype=torch.float16))
+    assert tr.options["capture"] == ["first"]
+    ov = tr.first_overflow()
+    assert ov is not None and ov.module == "second"
+    with pytest.raises(nantrace.NantraceError) as e:
+        ov.save_repro(tmp_path / "x.repro")
+    assert str(e.value) == (
+        "save_repro: this Overflow is a forward overflow in `second` (call 0, `output`) at step 0, but the "
+        "captured call is `first` call 0 at step 0 (its forward never produced a non-finite value; kept because "
+        "its step recorded one): a reproducer of it would not be this event. To save the captured call anyway "
+        "use trace.save_repro(path) (the Trace's method); trace again with capture='second' to capture this "
+        "module's call."
+    )
+    with nantrace.trace(m, capture="first") as tr:
+        m(torch.ones(1, 2, dtype=torch.float16))  # healthy
+    with nantrace.trace(m, capture=["first"]) as tr2:
+        m(torch.ones(1, 2, dtype=torch.float16))
+    with pytest.raises(nantrace.NantraceError) as e:
+        tr2.save_repro(tmp_path / "x.repro")
+    assert str(e.value) == (
+        "save_repro: capture= watched `first`, which never produced a non-finite value in a forward call, and "
+        "no step recorded one while it was watched, so nothing was kept."
+    )
+    with pytest.raises(
+        nantrace.NantraceError, match=r"capture='first' watched every traced module and no forward"
+    ):
+        tr.save_repro(tmp_path / "x.repro")
+    assert os.listdir(tmp_path) == ["all.repro"]
+
+
+def test_error_messages_name_the_root_and_the_other_file_kind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError) as e:
+        nantrace.trace(FirstSecond(), capture="nope")
+    assert str(e.value).endswith("traced ('' is the root model), e.g. ['', 'first', 'second']")
+    main_cls = type("NotebookNet", (nn.Module,), {"forward": Boom.forward, "__module__": "__main__"})
+    root = main_cls()
+    with nantrace.trace(root, capture="first") as tr:
+        root(torch.full((2,), 100.0, dtype=torch.float16))
+    with pytest.raises(
+        nantrace.NantraceError, match=r"^save_repro: the root model uses class __main__\.NotebookNet"
+    ):
+        tr.save_repro(tmp_path / "x.repro")
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # Path.expanduser reads HOME
+    m = FirstSecond().half()
+    with nantrace.trace(m, capture="first") as tr:
+        m(torch.full((1, 2), 100.0, dtype=torch.float16))
+    assert tr.first_overflow().save_repro("~/s.repro") == tmp_path / "s.repro"  # type: ignore[union-attr]
+    assert tr.save("~/t.nantrace") == tmp_path / "t.nantrace"
+    assert nantrace.load_repro("~/s.repro").module_name == "second"
+    assert nantrace.load("~/t.nantrace").first_overflow() == tr.first_overflow()
+
+    with pytest.raises(nantrace.NantraceError) as e:
+        nantrace.load_repro(tmp_path / "t.nantrace")
+    assert str(e.value).startswith(
+        f"{str(tmp_path / 't.nantrace')!r} is a nantrace trace (a parquet file), not a reproducer: read it with "
+        "nantrace.load(path)."
+    )
+    with pytest.raises(nantrace.NantraceError) as e:
+        nantrace.load(tmp_path / "s.repro")
+    assert str(e.value) == (
+        f"{str(tmp_path / 's.repro')!r} is a nantrace reproducer (written by save_repro), not a trace: rebuild it "
+        "with nantrace.load_repro(path)"
+    )
+    (tmp_path / "notes.txt").write_text("hello\n")
+    with pytest.raises(nantrace.NantraceError) as e:
+        nantrace.load_repro(tmp_path / "notes.txt")
+    assert str(e.value).startswith(
+        f"{str(tmp_path / 'notes.txt')!r} is not a nantrace reproducer (not a torch.save file)"
+    )
