@@ -9,9 +9,13 @@ loss, backward in execution order, optimizer — within each micro-step:
    between its children): that enclosing module (the row's ``parent``) is reported.
 3. An attention mask is not a fault. A tensor is a mask when it holds no NaN or +inf and either its name says so
    (the forward parameter it was passed as, or its path, contains ``"mask"`` or ``"bias"``, as in
-   ``attention_mask`` or ``attn_bias``) or every value is 0 or -inf. Its
-   -inf is recorded (``n_neginf``) but never reported, and passing it on is not producing it. NaN/+inf, or -inf
-   in a model input that is not a mask (e.g. ``log(0)`` in a feature), is a ``data`` fault.
+   ``attention_mask`` or ``attn_bias``) or every value is 0 or -inf; the value rule does not apply to the
+   model's first positional argument (``input[0]`` of phase data: the features, where ``log(one_hot)`` is
+   data). Its -inf is recorded (``n_neginf``) but never reported, and passing it on in activations is not
+   producing it, also when it reaches the model's output (masked logits are a legitimate output; the contract
+   says a mask's -inf is never reported). NaN/+inf, or -inf in a model input that is not a mask (e.g. ``log(0)`` in a feature), is a
+   ``data`` fault. The forward drill-down names an op only for a kind it *produced* (a non-finite scalar
+   argument such as ``masked_fill(m, -inf)`` counts as an input: ``_stats.op_input_kinds``).
 4. ``loss``: outputs were finite but the loss, or the gradient arriving at the outputs, was not.
 5. ``backward``: the first non-finite gradient. One gradient value can be seen by several hooks (the output of
    one module is the input of the next; rows sharing an ``event``); it is attributed to the module whose
@@ -23,6 +27,7 @@ loss, backward in execution order, optimizer — within each micro-step:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,7 +105,7 @@ class Overflow:
     message: str = field(default="", compare=False, repr=False)
     rank: int = 0
     propagated: bool = False
-    # the call kept by trace(capture=...), for save_repro(); not a field of the report
+    # the trace's capture state (nantrace._repro.Capture) with trace(capture=...), for save_repro(); not a field
     _captured: Any = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
@@ -111,29 +116,37 @@ class Overflow:
         return {k: getattr(self, k) for k in OVERFLOW_COLUMNS}
 
     def save_repro(self, path: str | os.PathLike[str]) -> Path:
-        """Write a reproducer of the call captured by ``nantrace.trace(..., capture=...)`` to ``path``.
+        """Write a reproducer of *this* overflow's module call, captured by ``nantrace.trace(..., capture=...)``,
+        to ``path`` (``~`` is expanded).
 
         The file holds the captured module's class path and pickled object, its ``state_dict`` right after
-        the call, the call's args/kwargs (copies taken when the call started), its dtype and the autocast state
-        (format: ``nantrace._repro``). The write is atomic (a temporary file renamed over ``path``).
-        :func:`nantrace.load_repro` rebuilds it; ``repro.run()`` reproduces the call in isolation and
-        ``nantrace.hunt(repro.run)`` names the op. The captured call is the trace's first watched call that
-        produced a non-finite value (``capture="first"``: its producer; with a module name: that module's
-        call), which ``load_repro(path).module_name`` names.
+        the call, the call's args/kwargs (copies taken when the call started) with their ``requires_grad``,
+        its dtype and the autocast state (format: ``nantrace._repro``). The write is atomic (a temporary file
+        renamed over ``path``). :func:`nantrace.load_repro` rebuilds it; ``repro.run()`` reproduces the call
+        in isolation and ``nantrace.hunt(repro.run)`` names the op.
+
+        Only a forward overflow whose own call was captured can be saved here: the trace's captured call (the
+        first watched call whose forward produced a non-finite value) must be this Overflow's event (same
+        step, micro-step, module and call), or the call of a module enclosing it in the same step and
+        micro-step (``capture="ff"`` for an overflow in ``ff.wo``: the saved call contains it). Otherwise (a scaler backoff in ``loss``, a backward overflow, an
+        overflow in a module that was not watched) it raises rather than save another event; save whatever
+        was captured with :meth:`nantrace.Trace.save_repro`.
 
         Returns:
             the path written, as a ``pathlib.Path``.
 
         Raises:
-            NantraceError: the trace had no ``capture=`` or captured nothing (only forward calls are captured),
-                or the module's class (or a submodule's) cannot be imported back by its path (defined in
-                ``__main__``, e.g. a notebook, or inside a function): move it to an importable module.
+            NantraceError: the trace had no ``capture=`` or captured nothing (the message names the watched
+                modules and where this overflow is), the captured call is not this overflow's event (the
+                message names both), or the module's class (or a submodule's) cannot be imported back by its
+                path (defined in ``__main__``, e.g. a notebook, or inside a function): move it to an importable
+                module.
             TypeError / ValueError: ``path`` is not a path, is a directory, or its directory does not exist
                 or is not writable.
         """
-        from ._repro import save_repro
+        from ._repro import captured_call, save_repro
 
-        return save_repro(self._captured, path)
+        return save_repro(captured_call(self._captured, self, for_overflow=True), path)
 
 
 # ---------------------------------------------------------------------------------------------- masks
@@ -150,6 +163,9 @@ def _names_mask(values: Any) -> np.ndarray:
     return np.array([mask_named(str(v)) for v in values], dtype=bool)
 
 
+FEATURES = "input[0]"  # the path of the model's first positional argument (phase "data"): its features
+
+
 def mask_rows(
     n_nan: np.ndarray,
     n_posinf: np.ndarray,
@@ -158,10 +174,15 @@ def mask_rows(
     numel: np.ndarray,
     activation: np.ndarray,
     named: np.ndarray,
+    features: np.ndarray | None = None,
 ) -> np.ndarray:
     """Rule 3 on arrays: rows that are attention masks (``activation``: data/forward rows; ``named``: the
-    parameter name or path contains "mask")."""
+    parameter name or path contains "mask" or "bias"; ``features``: the rows of the model's first positional
+    argument, ``input[0]`` of phase data, where the value rule "every value is 0 or -inf" does not apply, so
+    ``log(one_hot)`` there is data, not a mask)."""
     only_mask_values = (n_zero + n_neginf) == numel
+    if features is not None:
+        only_mask_values = only_mask_values & ~features
     return (n_neginf > 0) & (n_nan == 0) & (n_posinf == 0) & activation & (named | only_mask_values)
 
 
@@ -178,6 +199,7 @@ def is_mask(df: pd.DataFrame) -> np.ndarray:
         df["numel"].to_numpy(),
         (phase == "data") | (phase == "forward"),
         _categorical_flag(df["tensor"]) | _categorical_flag(df["arg"]),
+        (phase == "data") & (df["tensor"].astype(str).to_numpy() == FEATURES),
     )
 
 
@@ -212,6 +234,8 @@ def _first_in_step(
     it when a forward replay found one (``ops``)."""
     df = _ordered(step_df)
     mask = is_mask(df)
+    phase = df["phase"].astype(str).to_numpy()
+    activation = (phase == "data") | (phase == "forward")
     has = {k: df[f"n_{k}"].to_numpy() > 0 for k in wanted}
     extra: dict[int, tuple[str, str]] = {}
     if ops is not None and len(ops):
@@ -230,12 +254,13 @@ def _first_in_step(
             )[0]
             if len(hit):
                 extra.setdefault(int(hit[0]), (str(op.kind), str(op.op)))
-    seen: set[str] = set()  # -inf of an attention mask: passing it on is not producing it
+    masked = False  # an attention mask's -inf is around: passing it on (in activations) is not producing it
     for i in range(len(df)):
         kinds = [k for k in wanted if has[k][i]]
         if mask[i]:
-            seen.add("neginf")
-        kinds = [k for k in kinds if k not in seen]
+            masked = True
+        if masked and activation[i]:
+            kinds = [k for k in kinds if k != "neginf"]
         if i in extra and not (mask[i] and extra[i][0] == "neginf"):  # a module that builds a mask
             return df.iloc[i], extra[i][0], extra[i][1]
         if kinds:
@@ -291,8 +316,21 @@ def _producer(step_df: pd.DataFrame, row: pd.Series) -> tuple[str, str, int, str
     return module, mtype, call, tensor
 
 
+def torch_builtin(module: Any) -> bool:
+    """True when ``module``'s class runs torch's own ``forward`` (``type(module).forward`` is defined in a
+    ``torch.*`` module): ``nn.Linear`` and ``class MyLinear(nn.Linear): pass`` are, a hand-written class named
+    ``Linear`` or ``LayerNorm`` is not."""
+    fwd = getattr(type(module), "forward", None)
+    return str(getattr(fwd, "__module__", "") or "").split(".", 1)[0] == "torch"
+
+
 def hunt_hint(
-    step_df: pd.DataFrame, row: pd.Series, fields: dict[str, Any], raw_kind: str, op: str | None
+    step_df: pd.DataFrame,
+    row: pd.Series,
+    fields: dict[str, Any],
+    raw_kind: str,
+    op: str | None,
+    builtin: Callable[[str], bool | None] | None = None,
 ) -> str:
     """A sentence pointing to ``nantrace.hunt`` when module hooks cannot name the op, else ``""``.
 
@@ -302,8 +340,12 @@ def hunt_hint(
       ``matmul`` inf that the module returned as NaN);
     * *container*: at least one traced submodule ran inside the module in this step, so its own code between
       them holds ops that module hooks cannot tell apart;
-    * *hand-written*: the module's class is not a ``torch.nn`` layer (``module_type`` is not a name in
-      ``torch.nn``), so its forward (and backward) is the user's own sequence of ops.
+    * *hand-written*: the module's class does not run torch's own ``forward``, so its forward (and backward)
+      is the user's own sequence of ops. With the live model (``builtin``: the recording Trace resolves the
+      reported name to the module, :func:`torch_builtin`) that is judged by where ``type(m).forward`` is
+      defined, so a subclass ``class MyLinear(nn.Linear): pass`` is built-in and a hand-written class named
+      ``Linear`` is not. Without it (a loaded trace, a model gone) by the class name: ``module_type`` is
+      not a name of a ``torch.nn`` module class.
 
     So only a built-in ``torch.nn`` leaf layer (``Linear``, ``Conv2d``, ``Embedding``...) whose output held the
     kind its op made is reported without the hint: the layer is the answer.
@@ -316,9 +358,11 @@ def hunt_hint(
     n_sub = sum(1 for n in names if n != module and n.startswith(prefix))
     internal = phase == "forward" and op is not None and int(row[f"n_{raw_kind}"]) == 0
     mtype = str(fields["module_type"])
-    layer = getattr(torch.nn, mtype, None)
-    builtin = isinstance(layer, type) and issubclass(layer, torch.nn.Module)
-    if not internal and n_sub == 0 and builtin:
+    is_builtin = builtin(module) if builtin is not None else None
+    if is_builtin is None:
+        layer = getattr(torch.nn, mtype, None)
+        is_builtin = isinstance(layer, type) and issubclass(layer, torch.nn.Module)
+    if not internal and n_sub == 0 and is_builtin:
         return ""
     name = f"`{module}`" if module else "the root model"
     what = {"nan": "NaN", "posinf": "+inf", "neginf": "-inf"}[raw_kind]
@@ -358,6 +402,7 @@ def _find(
     ops: pd.DataFrame | None = None,
     world_size: int | None = None,
     per_rank: bool = False,
+    builtin: Callable[[str], bool | None] | None = None,
 ) -> list[Overflow]:
     from ._report import explain
 
@@ -395,7 +440,7 @@ def _find(
             dtype=DType(str(row["dtype"])),
         )
         message = explain(records, step_df, row, fields, k, steps, op)
-        message += hunt_hint(step_df, row, fields, k, op)
+        message += hunt_hint(step_df, row, fields, k, op, builtin)
         found.append(Overflow(**fields, message=message, rank=rank))
         if first_only:
             break
@@ -408,8 +453,12 @@ def locate(
     steps: pd.DataFrame | None = None,
     ops: pd.DataFrame | None = None,
     world_size: int | None = None,
+    builtin: Callable[[str], bool | None] | None = None,
 ) -> Overflow | None:
     """The first producer of a non-finite value in ``records`` (``None`` when there is none).
+
+    ``builtin(module_name)``: whether that module runs torch's own ``forward`` (``None``: unknown), for the
+    hunt hint (:func:`hunt_hint`); the recording Trace passes one that looks at the live model.
 
     With rows of several ranks (``records["rank"]``) or reduced gradients, the cross-rank rules of
     ``nantrace._dist`` apply; ``world_size`` says how many ranks the run had (``None``: the ranks present).
@@ -417,7 +466,7 @@ def locate(
     Raises:
         ValueError: ``kind`` is not ``None``, ``"inf"`` or ``"nan"``.
     """
-    found = _find(records, kind, steps, True, ops, world_size)
+    found = _find(records, kind, steps, True, ops, world_size, builtin=builtin)
     return found[0] if found else None
 
 
@@ -428,11 +477,12 @@ def overflows(
     ops: pd.DataFrame | None = None,
     world_size: int | None = None,
     per_rank: bool = False,
+    builtin: Callable[[str], bool | None] | None = None,
 ) -> pd.DataFrame:
     """One row per step that saw a non-finite value: that step's first producer (columns of :class:`Overflow`
     plus ``message``). ``per_rank=True``: one row per (step, rank) instead, each rank's own first non-finite
     value (``propagated`` where the rank only received it through the gradient reduction)."""
-    found = _find(records, kind, steps, False, ops, world_size, per_rank)
+    found = _find(records, kind, steps, False, ops, world_size, per_rank, builtin)
     cols = [*OVERFLOW_COLUMNS, "message"]
     df = pd.DataFrame([{**o.to_dict(), "message": o.message} for o in found], columns=cols)
     if len(df):

@@ -27,11 +27,23 @@ tensors are widened to float32 first because most reductions do not accept them.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["N_STATS", "STAT_NAMES", "describable", "is_clean_host", "stats_device", "stats_host"]
+__all__ = [
+    "N_STATS",
+    "STAT_NAMES",
+    "describable",
+    "is_clean_host",
+    "op_input_kinds",
+    "scalar_kinds",
+    "stats_device",
+    "stats_host",
+    "tensor_kinds",
+]
 
 STAT_NAMES: tuple[str, ...] = (
     "min",
@@ -163,3 +175,49 @@ def is_clean_host(t: torch.Tensor) -> bool:
     and ±inf shows as an extreme)."""
     lo, hi = torch.aminmax(_work_view(t))
     return _finite(float(lo)) and _finite(float(hi))
+
+
+# ---------------------------------------------------------------------------------------------- op-level rule
+def tensor_kinds(t: torch.Tensor) -> frozenset[str]:
+    """Non-finite kinds (``"nan"``, ``"posinf"``, ``"neginf"``) held by a describable tensor, read on the host
+    (one ``isfinite`` pass when it is clean). Not for hooks on an accelerator: it synchronises."""
+    x = _work_view(t)
+    if bool(torch.isfinite(x).all()):
+        return frozenset()
+    out = []
+    if bool(torch.isnan(x).any()):
+        out.append("nan")
+    if bool(torch.isposinf(x).any()):
+        out.append("posinf")
+    if bool(torch.isneginf(x).any()):
+        out.append("neginf")
+    return frozenset(out)
+
+
+def scalar_kinds(v: object) -> frozenset[str]:
+    """The non-finite kind of a Python scalar argument (``float("-inf")`` gives ``{"neginf"}``), else empty."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return frozenset({"nan" if math.isnan(v) else ("posinf" if v > 0 else "neginf")})
+    return frozenset()
+
+
+def op_input_kinds(args: Any, kwargs: Any) -> tuple[list[torch.Tensor], frozenset[str]]:
+    """The op-level "produced" rule, shared by :func:`nantrace.hunt` and the forward replay of
+    :func:`nantrace.trace`: an op *produced* a kind when one of its outputs holds it and this set does not.
+
+    Returns the describable tensors among an op's arguments (nested in tuples/lists/dicts) and the non-finite
+    kinds its inputs already hold: those of those tensors, and those of its non-finite Python scalar arguments.
+    A scalar ``-inf`` (``masked_fill(mask, -inf)``, ``where(c, x, -inf)``, ``torch.full(..., -inf)``,
+    ``x * -inf``) is an intended value, so an output holding -inf from it is not produced; a kind beyond it
+    (NaN from ``0 * -inf``, a NaN softmax row of a fully masked row) is. Meta tensors are skipped. Call it
+    before the op runs (an in-place op overwrites its input)."""
+    tensors: list[torch.Tensor] = []
+    before: frozenset[str] = frozenset()
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            if describable(leaf) and leaf.device.type != "meta":
+                tensors.append(leaf)
+                before |= tensor_kinds(leaf)
+        else:
+            before |= scalar_kinds(leaf)
+    return tensors, before

@@ -1,0 +1,244 @@
+"""Masks and intended -inf: the op drill-down's scalar rule, the features input, and a mask's -inf that leaks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nantrace
+from nantrace._stats import op_input_kinds, scalar_kinds
+
+
+def _where(ov: nantrace.Overflow | None) -> tuple[object, ...] | None:
+    return None if ov is None else (ov.step, ov.phase, ov.module, ov.call, ov.tensor, ov.kind)
+
+
+def _ops(tr: nantrace.Trace) -> list[tuple[str, int, str, str]]:
+    return [(str(r.module), int(r.call), str(r.op), str(r.kind)) for r in tr.ops.itertuples()]
+
+
+# ------------------------------------------------------------------------------------ the shared op rule
+def test_op_input_kinds_counts_nonfinite_scalars_as_inputs() -> None:
+    x = torch.tensor([1.0, math.inf])
+    m = torch.tensor([True, False])
+    tensors, before = op_input_kinds((x, m, -math.inf), {"value": math.nan})
+    assert [t is x for t in tensors] == [True]  # the bool mask is not describable
+    assert before == frozenset({"posinf", "neginf", "nan"})
+    assert op_input_kinds((torch.ones(2), 2.0), {})[1] == frozenset()
+    assert scalar_kinds(-math.inf) == frozenset({"neginf"})
+    assert scalar_kinds(math.inf) == frozenset({"posinf"})
+    assert scalar_kinds(math.nan) == frozenset({"nan"})
+    assert scalar_kinds(3) == frozenset() and scalar_kinds("inf") == frozenset()
+
+
+# ------------------------------------------------------------------------------------ finding: masked_fill
+class PadAttn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.k = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:  # pad: bool, True = padded key
+        sc = self.q(x) @ self.k(x).transpose(-1, -2)
+        sc = sc.masked_fill(pad[:, None, :], float("-inf"))
+        return torch.softmax(sc, -1) @ x
+
+
+class PadModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = PadAttn()
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return self.out(self.attn(x, pad))
+
+
+def test_masked_fill_minus_inf_is_intended_and_the_fully_masked_row_is_nan_in_attention() -> None:
+    torch.manual_seed(0)
+    m = PadModel()
+    x = torch.randn(2, 4, 8)
+    pad = torch.zeros(2, 4, dtype=torch.bool)
+    pad[0, 3] = True
+    with nantrace.trace(m) as tr:
+        m(x, pad)
+    assert tr.first_overflow() is None and _ops(tr) == []
+    pad[1, :] = True  # batch row 1 is padding only: its softmax row is NaN
+    with nantrace.trace(m) as tr:
+        m(x, pad)
+    ov = tr.first_overflow()
+    assert _where(ov) == (0, "forward", "attn", 0, "output", "nan")
+    assert _ops(tr) == [("attn", 0, "softmax", "nan")]
+    assert "softmax" in str(ov) and "overflows" not in str(ov)
+    d = tr.diagnose()
+    assert d.cause == "invalid_op"
+    assert "overflowed" not in str(d)
+
+
+class HFMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        add = (1.0 - attention_mask)[:, None, :] * -math.inf  # 0 * -inf = NaN where the mask is 1
+        scores = self.proj(x) @ x.transpose(-1, -2) + add
+        return torch.softmax(scores, -1)
+
+
+def test_hf_style_times_minus_inf_mask_makes_nan_in_mul() -> None:
+    torch.manual_seed(0)
+    m = HFMask()
+    x, am = torch.randn(2, 3, 4), torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    with nantrace.trace(m) as tr:
+        m(x, am)
+    ov = tr.first_overflow()
+    assert _where(ov) == (0, "forward", "", 0, "output", "nan")
+    assert _ops(tr) == [("", 0, "mul", "nan")]
+    assert tr.diagnose().cause == "invalid_op"
+    culprit = nantrace.hunt(m, x, am)
+    assert culprit is not None and (culprit.op, culprit.value) == ("aten::mul.Tensor", "nan")
+
+
+class BuildsCausal(nn.Module):
+    """Builds its own causal mask with torch.full(-inf) and keeps the masked scores as its output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-2]
+        causal = torch.full((n, n), -math.inf).triu(1)
+        scores = x @ x.transpose(-1, -2) + causal
+        return torch.where(torch.isinf(scores), torch.zeros_like(scores), scores.softmax(-1))
+
+
+def test_full_minus_inf_built_inside_a_module_is_not_produced() -> None:
+    m = nn.Sequential(nn.Linear(4, 4), BuildsCausal())
+    with nantrace.trace(m) as tr:
+        m(torch.randn(3, 4))
+    assert tr.first_overflow() is None and _ops(tr) == []
+    assert tr.steps["n_nonfinite"].tolist() == [0]
+
+
+# ------------------------------------------------------------------------------------ finding: features input
+def test_log_one_hot_features_are_data_not_a_mask() -> None:
+    torch.manual_seed(0)
+    m = nn.Linear(6, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    feats = torch.log(F.one_hot(torch.tensor([0, 1, 2, 3]), 6).float())  # only 0 and -inf
+    with nantrace.trace(m, scaler=scaler, optimizer=opt) as tr:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = m(feats)
+        scaler.scale(out.float().sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    ov = tr.first_overflow()
+    assert _where(ov) == (0, "data", "", 0, "input[0]", "inf")
+    assert "20 -inf" in str(ov)
+    assert tr.diagnose().cause == "data"
+
+
+def test_log_of_zero_one_counts_as_only_input_is_data() -> None:
+    m = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    counts = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
+    with nantrace.trace(m) as tr:
+        m(torch.log(counts))
+    assert _where(tr.first_overflow()) == (0, "data", "", 0, "input[0]", "inf")
+
+
+class TwoArgAttn(nn.Module):
+    """Takes an unnamed additive mask as its second positional argument `m`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.proj(x) @ x.transpose(-1, -2) + m, -1) @ x
+
+
+def test_unnamed_zero_minus_inf_mask_as_a_later_argument_is_still_a_mask() -> None:
+    torch.manual_seed(0)
+    m = TwoArgAttn()
+    mask = torch.zeros(3, 3)
+    mask[0, 2] = -math.inf
+    with nantrace.trace(m) as tr:
+        m(torch.randn(3, 4), mask)
+    assert tr.first_overflow() is None
+    assert tr.steps["n_nonfinite"].tolist() == [0]
+
+
+# ------------------------------------------------------------------------------------ finding: leaked mask
+class UserBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, user_bias: torch.Tensor) -> torch.Tensor:
+        return self.l(x + user_bias)
+
+
+def test_named_bias_whose_minus_inf_reaches_the_output_is_not_reported() -> None:
+    """DESIGN rule 3: a mask's -inf is never reported, also when it is passed on to the model's output (masked
+    logits are a legitimate output). The rows downstream of the mask still count in ``n_nonfinite``."""
+    torch.manual_seed(0)
+    m = UserBias()
+    with torch.no_grad():
+        m.l.weight.fill_(0.5)
+    ub = torch.randn(8, 4)
+    ub[3, 0] = -math.inf
+    with nantrace.trace(m) as tr:
+        out = m(torch.randn(8, 4), ub)
+    assert int(out.isneginf().sum()) == 1
+    assert tr.first_overflow() is None
+    assert tr.first_overflow(kind="inf") is None
+    assert tr.steps["n_nonfinite"].tolist() == [3]  # l's input, l's output, the root's output
+
+
+def test_mask_minus_inf_turned_into_plus_inf_names_the_mask() -> None:
+    m = UserBias()
+    with torch.no_grad():
+        m.l.weight.fill_(-0.5)
+    ub = torch.zeros(2, 4)
+    ub[1, 0] = -math.inf
+    with nantrace.trace(m) as tr:
+        m(torch.ones(2, 4), ub)
+    ov = tr.first_overflow()
+    assert _where(ov) == (0, "forward", "l", 0, "output", "inf")
+    assert "mask/bias input(s) `user_bias`" in str(ov)
+    assert tr.diagnose().cause == "data"
+
+
+class MaskedC14(nn.Module):
+    """C14's three Linears (big one in the middle, weights -400), plus an attention mask input that the model
+    only applies where it cannot reach the output: its -inf never leaks, its gradients are another matter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.big = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+        for lin, w in ((self.a, 0.01), (self.big, -400.0), (self.head, 30.0)):
+            with torch.no_grad():
+                lin.weight.fill_(w)
+                lin.bias.zero_()
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = h + torch.softmax(attention_mask, -1).sum(-1, keepdim=True) * 0  # a mask row sums to 1
+        return self.head(self.big(h))
+
+
+def test_a_mask_around_does_not_hide_a_minus_inf_gradient_in_backward() -> None:
+    m = MaskedC14().half()
+    mask = torch.tensor([[0.0, -math.inf]], dtype=torch.float16)
+    with nantrace.trace(m) as tr:
+        out = m(torch.full((1, 4), 0.5, dtype=torch.float16), mask)
+        out.sum().backward()
+    fwd = tr.records.query("phase == 'forward'")
+    assert int(fwd[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum()) == 0
+    ov = tr.first_overflow()
+    assert _where(ov) == (0, "backward", "big", 0, "grad_input[0]", "inf")
+    assert int(tr.records.query("module == 'big' and tensor == 'grad_input[0]'")["n_neginf"].iloc[0]) == 8

@@ -1,0 +1,59 @@
+"""phases= as a comma-separated string, the loss explanation without a recorded forward, and the CLI's warning
+line for a folder with a missing rank."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import nantrace
+from nantrace import cli
+
+
+def test_phases_accepts_a_comma_separated_string() -> None:
+    m = nn.Linear(2, 2)
+    with nantrace.trace(m, phases="data, forward") as tr:
+        m(torch.ones(1, 2)).sum().backward()
+    assert sorted(set(tr.records["phase"].astype(str))) == ["data", "forward"]
+    assert tr.options["phases"] == ["data", "forward"]
+    with pytest.raises(ValueError, match=r"unknown phase\(s\) 'forwrd'"):
+        nantrace.trace(m, phases="data,forwrd")
+    with pytest.raises(ValueError, match=r"unknown phase\(s\) ''"):
+        nantrace.trace(m, phases="data,")
+
+
+def test_loss_without_a_recorded_forward_does_not_call_the_outputs_finite() -> None:
+    m = nn.Linear(2, 2)
+    with nantrace.trace(m) as tr:
+        tr.step(loss=torch.tensor(math.nan))
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase, ov.tensor, ov.kind) == (0, "loss", "loss", "nan")
+    assert "outputs were not recorded" in str(ov) and "finite" not in str(ov).split(" but ")[0]
+    d = tr.diagnose()
+    assert d.cause == "loss"
+    assert d.summary == "The model's outputs were not recorded but the loss was non-finite at step 0."
+    assert "n/a" not in d.evidence[0]
+
+
+def test_report_on_a_folder_with_a_missing_rank_prints_a_clean_warning_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    m = nn.Linear(2, 2)
+    with nantrace.trace(m) as tr:
+        m(torch.ones(1, 2))
+    folder = tmp_path / "run.nantrace"
+    folder.mkdir()
+    tr.save(folder / "rank-00000-of-00002.nantrace")  # rank 1's part is missing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a raw warning would raise here
+        assert cli.main(["report", str(folder)]) == cli.EXIT_OK
+    err = capsys.readouterr().err.splitlines()
+    assert [ln for ln in err if "warning" in ln.lower()] == [
+        f"nantrace: warning: '{folder}' holds 1 of 2 rank parts; ranks [1] are missing (did they crash before "
+        "Trace.save?). The merged trace covers the ranks present."
+    ]
