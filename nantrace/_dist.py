@@ -45,6 +45,15 @@ Under a process group with ``world_size > 1``, ``Trace.save(path)`` makes ``path
 rank's part ``rank-RRRRR-of-WWWWW.nantrace`` into it (atomically, as a single-process save writes its file), so
 every rank can pass the same path. ``nantrace.load(path)`` on the folder merges the parts into one read-only
 trace.
+
+A part saved by an earlier run into the same folder (a rank that crashed before its save this time, or a part
+copied in by hand) would otherwise be merged as if it belonged to this run. So each distributed recording has a
+run id that all its ranks share: creating the trace (``nantrace.trace`` under a process group with
+``world_size > 1``) is a collective in which rank 0 makes a uuid and broadcasts it
+(``torch.distributed.broadcast_object_list``). Each part's header holds it (``run_id``) and the time of the save
+(``saved_at``, ISO 8601 UTC). ``load(folder)`` keeps the parts of the newest run only (the run whose latest
+``saved_at`` is newest; a part written without these fields, e.g. by an older nantrace, counts as one run saved
+at its file's modification time) and warns which parts it ignored, then warns about the ranks that run lacks.
 """
 
 from __future__ import annotations
@@ -75,11 +84,24 @@ __all__ = [
     "part_name",
     "part_target",
     "process_group",
+    "shared_run_id",
 ]
 
 PART_RE = re.compile(r"^rank-(\d{5})-of-(\d{5})\.nantrace$")
 _WHAT = {"nan": "NaN", "posinf": "+inf", "neginf": "-inf"}
 _KIND_CODE = {"nan": 0, "posinf": 1, "neginf": 2}
+
+
+def shared_run_id() -> str:
+    """A run id (32 hex digits) that every rank of the default process group shares: rank 0 makes a uuid4 and
+    broadcasts it (``torch.distributed.broadcast_object_list``, a collective: every rank must call it)."""
+    import uuid
+
+    import torch.distributed as dist
+
+    box: list[Any] = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
 
 
 def process_group() -> tuple[int, int]:
@@ -145,7 +167,8 @@ def load_folder(path: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, d
 
     Records, steps and ops of all ranks are concatenated (each row keeps its ``rank``); steps and ops are sorted
     by ``step`` then ``rank``. The header is rank 0's (else the lowest rank's) with ``rank`` = None,
-    ``world_size`` and ``ranks``. Missing ranks give a ``UserWarning``; the trace still loads.
+    ``world_size`` and ``ranks``. Only the parts of the newest run are read (parts left over from another run
+    give a ``UserWarning`` naming them); ranks missing from it give a ``UserWarning``; the trace still loads.
 
     Raises:
         NantraceError: no part in the folder, parts of several world sizes, or an unreadable part.
@@ -156,9 +179,14 @@ def load_folder(path: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, d
 
     parts = _parts(path)
     if not parts:
+        inside = Path(path) / "trace.nantrace"
+        hint = f"; did you mean {str(inside)!r} (a `nantrace run` output folder)?" if inside.exists() else ""
         raise NantraceError(
             f"{str(path)!r} is a folder without nantrace rank parts (files named like {part_name(0, 2)!r})"
+            + hint
         )
+    metas = {p: _meta(p) for _, _, p in parts}
+    parts = _newest_run(path, parts, metas)
     worlds = sorted({w for _, w, _ in parts})
     if len(worlds) > 1:
         raise NantraceError(
@@ -168,7 +196,7 @@ def load_folder(path: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, d
     recs, steps, ops = [], [], []
     head: dict[str, Any] = {}
     for rank, _, p in parts:
-        meta = _meta(p)
+        meta = metas[p]
         r = read_records(p)
         r["rank"] = rank
         recs.append(r)
@@ -197,6 +225,49 @@ def load_folder(path: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, d
         ops_df = ops_df.sort_values(["step", "rank"], kind="stable")
     head.update(rank=None, world_size=world, ranks=ranks, parts=[p.name for _, _, p in parts])
     return records, steps_df.reset_index(drop=True), ops_df.reset_index(drop=True), head
+
+
+def _newest_run(
+    folder: Path, parts: list[tuple[int, int, Path]], metas: dict[Path, dict[str, Any]]
+) -> list[tuple[int, int, Path]]:
+    """The parts of the newest run in ``folder`` (see the module docstring); a ``UserWarning`` names the parts
+    of other runs that are left out."""
+    from datetime import datetime, timezone
+
+    def saved(p: Path) -> datetime:
+        text = metas[p]["header"].get("saved_at")
+        if isinstance(text, str):
+            try:
+                return datetime.fromisoformat(text)
+            except ValueError:
+                pass
+        return datetime.fromtimestamp(p.stat().st_mtime, timezone.utc)
+
+    runs: dict[str | None, list[tuple[int, int, Path]]] = {}
+    for part in parts:
+        rid = metas[part[2]]["header"].get("run_id")
+        runs.setdefault(rid if isinstance(rid, str) else None, []).append(part)
+    if len(runs) == 1:
+        return parts
+    last = {rid: max(saved(p) for _, _, p in ps) for rid, ps in runs.items()}
+    newest = max(runs, key=lambda rid: last[rid])
+    kept = runs[newest]
+    ignored = sorted(p.name for rid, ps in runs.items() if rid != newest for _, _, p in ps)
+
+    def run_name(rid: str | None) -> str:
+        return f"run {rid}" if rid is not None else "a run without run id"
+
+    others = "; ".join(
+        f"{', '.join(p.name for _, _, p in runs[rid])} ({run_name(rid)}, saved {last[rid]:%Y-%m-%d %H:%M:%S} UTC)"
+        for rid in sorted((r for r in runs if r != newest), key=lambda r: last[r])
+    )
+    warnings.warn(
+        f"{str(folder)!r} holds parts of {len(runs)} runs: loading the newest, {run_name(newest)} (saved "
+        f"{last[newest]:%Y-%m-%d %H:%M:%S} UTC, {len(kept)} part(s)), and ignoring {len(ignored)} part(s) left "
+        f"over from another run: {others}. Delete them, or save each run to a new path.",
+        stacklevel=4,
+    )
+    return kept
 
 
 def _plain(df: pd.DataFrame) -> pd.DataFrame:
@@ -325,7 +396,11 @@ def find_across_ranks(
     for step in sorted(events):
         evs = sorted(events[step], key=lambda e: e.key)
         if per_rank:
-            found.extend(e.overflow for e in sorted(evs, key=lambda e: e.key[-1]))
+            mine = sorted(evs, key=lambda e: e.key[-1])
+            if complete and all(e.received for e in evs):
+                # the reduction itself produced it: the rank the merged answer names is its producer
+                mine[0] = replace(mine[0], overflow=_made_by_reduction(mine[0], evs))
+            found.extend(e.overflow for e in mine)
         else:
             produced = [e for e in evs if not e.received]
             if produced:
@@ -345,16 +420,7 @@ def find_across_ranks(
             else:
                 first = min(evs, key=lambda e: e.key[-1])
                 if complete:
-                    ov = first.overflow
-                    name = f"`{ov.module}`" if ov.module else "the root model"
-                    msg = (
-                        f"At step {ov.step} every rank's local gradients were finite, but `{ov.tensor}` of {name} "
-                        f"held {_WHAT[first.raw_kind]} after the gradient reduction on "
-                        f"rank{'s' if len(evs) > 1 else ''} {', '.join(str(e.key[-1]) for e in evs)}: the "
-                        "reduction itself produced it (e.g. a communication hook that compresses gradients "
-                        "to float16, whose max is 65504). Reduce in float32 or scale gradients down first."
-                    )
-                    found.append(replace(ov, propagated=False, message=msg))
+                    found.append(_made_by_reduction(first, evs))
                 else:
                     found.append(first.overflow)
         if first_only and found:
@@ -362,14 +428,30 @@ def find_across_ranks(
     return found
 
 
+def _made_by_reduction(first: _Event, evs: list[_Event]) -> Overflow:
+    """``first`` (the lowest rank's event) as the producer of a value the reduction itself made."""
+    ov = first.overflow
+    name = f"`{ov.module}`" if ov.module else "the root model"
+    msg = (
+        f"At step {ov.step} every rank's local gradients were finite, but `{ov.tensor}` of {name} "
+        f"held {_WHAT[first.raw_kind]} after the gradient reduction on "
+        f"rank{'s' if len(evs) > 1 else ''} {', '.join(str(e.key[-1]) for e in evs)}: the "
+        "reduction itself produced it (e.g. a communication hook that compresses gradients "
+        "to float16, whose max is 65504). Reduce in float32 or scale gradients down first."
+    )
+    return replace(ov, propagated=False, message=msg)
+
+
 def diagnose_merged(tr: Trace) -> Diagnosis:
     """:func:`nantrace._diagnose.diagnose` of the rank that produced the first non-finite value (rank 0 of a
-    healthy run), with the rank named in its summary and evidence."""
-    from ._diagnose import diagnose
+    healthy run), with the rank named in its summary and evidence. The merged events tell it which of that
+    rank's received values the reduction itself made, and which rank produced the others."""
+    from ._diagnose import _diagnose, _overflow_from_row
 
     ov = tr.first_overflow()
     rank = ov.rank if ov is not None else min(tr.ranks)
-    d = diagnose(tr.rank_view(rank))
+    merged = [_overflow_from_row(r) for r in tr.overflows().to_dict("records")]
+    d = _diagnose(tr.rank_view(rank), merged)
     evidence = [f"rank {rank} of {tr.world_size}: the diagnosis reads this rank's trace", *d.evidence]
     overflow = replace(d.overflow, rank=rank) if d.overflow is not None else None
     summary = f"Rank {rank}: {d.summary}" if d.summary else d.summary

@@ -459,6 +459,28 @@ def _first_nonfinite(bad: pd.DataFrame) -> tuple[int, str] | None:
     return int(bad.columns[col]), text
 
 
+def _ranks_note(records: object) -> str:
+    """For records of several ranks (a merged trace, whose cells are the max over ranks): which rank produced
+    the first overflow, by the cross-rank locator (``nantrace._dist``); ``""`` for one rank."""
+    if (
+        not isinstance(records, pd.DataFrame)
+        or "rank" not in records.columns
+        or records["rank"].nunique() < 2
+    ):
+        return ""
+    from ._locate import locate
+
+    try:
+        ov = locate(records)
+    except (KeyError, ValueError, TypeError):  # a frame without the locator's columns
+        return ""
+    ranks = ", ".join(str(int(r)) for r in sorted(records["rank"].unique()))
+    if ov is None:
+        return f" (ranks {ranks} merged)"
+    where = "the model inputs" if ov.phase == "data" else f"'{_module_label(ov.module)}'"
+    return f" (ranks {ranks} merged);\nrank {ov.rank} produced the first overflow: step {ov.step}, {ov.phase}, {where}"
+
+
 def _cell_edges(centers: np.ndarray) -> np.ndarray:
     """Edges between consecutive cell centres (steps need not be evenly spaced)."""
     if centers.size == 1:
@@ -594,8 +616,9 @@ def _draw_heatmap(
     else:
         what = f"log2(max |x|) per module  ({limits.name} overflows above log2({limits.max:g}) = {limits.log2_max:.2f})"
     title = f"{what}, {_phase_label(phase)}"
+    merged = _ranks_note(records)
     if first_bad is not None:
-        title += f"\nfirst non-finite value at step {first_bad[0]} in {first_bad[1]}"
+        title += f"\nfirst non-finite value at step {first_bad[0]} in {first_bad[1]}{merged}"
     ax.set_title(title, fontsize=10, loc="left")
     handles = [
         Patch(facecolor=_NONFINITE_COLOR, edgecolor="black", label="NaN/inf seen (x: first step of a run)"),
@@ -721,6 +744,12 @@ def _draw_scale_timeline(ax: Axes, steps: pd.DataFrame) -> None:
     from matplotlib.ticker import MaxNLocator
 
     frame = steps.sort_values("step", kind="stable")
+    per_rank: list[tuple[int, pd.DataFrame]] = []
+    if "rank" in frame.columns and frame["rank"].nunique() > 1:
+        # a merged trace: the loss differs per rank (one line each); the loss scale and the skipped steps are
+        # those of the lowest rank (every rank's scaler sees the same reduced gradients)
+        per_rank = [(int(r), frame[frame["rank"].to_numpy() == r]) for r in sorted(frame["rank"].unique())]
+        frame = per_rank[0][1]
     x = frame["step"].to_numpy(dtype="float64")
     scale = pd.to_numeric(frame["scale"], errors="coerce").to_numpy(dtype="float64")
     loss = pd.to_numeric(frame["loss"], errors="coerce").to_numpy(dtype="float64")
@@ -764,9 +793,27 @@ def _draw_scale_timeline(ax: Axes, steps: pd.DataFrame) -> None:
             fontsize=8,
             color="dimgray",
         )
-    (loss_line,) = loss_ax.plot(x, loss, color=loss_color, linewidth=1.0, alpha=0.85, label="loss")
+    (loss_line,) = loss_ax.plot(
+        x,
+        loss,
+        color=loss_color,
+        linewidth=1.0,
+        alpha=0.85,
+        label=f"loss, rank {per_rank[0][0]}" if per_rank else "loss",
+    )
     loss_line.set_gid("loss")
     handles.append(loss_line)
+    for i, (rank, part) in enumerate(per_rank[1:]):
+        (other,) = loss_ax.plot(
+            part["step"].to_numpy(dtype="float64"),
+            pd.to_numeric(part["loss"], errors="coerce").to_numpy(dtype="float64"),
+            color=f"C{(i + 1) % 10}",
+            linewidth=1.0,
+            alpha=0.85,
+            label=f"loss, rank {rank}",
+        )
+        other.set_gid(f"loss_rank{rank}")
+        handles.append(other)
     bad_loss = ~np.isfinite(loss)
     if bad_loss.any():
         # a NaN/inf loss cannot be placed on the y axis: mark it along the top edge instead
@@ -784,7 +831,10 @@ def _draw_scale_timeline(ax: Axes, steps: pd.DataFrame) -> None:
         handles.append(bad_marks)
     ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
     ax.set_xlabel("optimizer step")
-    ax.set_title("Loss scale and loss per optimizer step", fontsize=10, loc="left")
+    title = "Loss scale and loss per optimizer step"
+    if per_rank:
+        title = f"Loss scale (rank {per_rank[0][0]}, the same on every rank) and loss of each rank per optimizer step"
+    ax.set_title(title, fontsize=10, loc="left")
     ax.legend(
         handles=handles,
         loc="lower right",

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -151,7 +152,12 @@ def worker(rank: int, port: int, out: str) -> None:
         for scenario in ("nan_data", "fwd_overflow", "compress"):
             tr = run(rank, scenario, folder)
             info[scenario] = {"rank": tr.rank, "world_size": tr.world_size}
-        run(rank, "healthy", folder, stream=folder / "healthy_stream")
+            if scenario == "nan_data":
+                tr.save(folder / "stale")  # the earlier run, saved by every rank ...
+        healthy = run(rank, "healthy", folder, stream=folder / "healthy_stream")
+        if rank == 0:
+            healthy.save(folder / "stale")  # ... then a healthy run into the same path, rank 1 not saving
+        info["run_id"] = {"nan_data": info_run_id(folder / "nan_data", rank), "healthy": healthy._run_id}
         live = run(rank, "nan_data", folder / "live", live_every=2)
         info["live"] = live.live_reports
         info["live_checks"] = live._live.checks if live._live is not None else None
@@ -161,6 +167,12 @@ def worker(rank: int, port: int, out: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def info_run_id(folder: Path, rank: int) -> str:
+    from nantrace._io import read_header
+
+    return str(read_header(folder / f"rank-{rank:05d}-of-{WORLD:05d}.nantrace")["run_id"])
 
 
 def free_port() -> int:
@@ -265,9 +277,139 @@ def test_rank_names_unwrapped_and_each_part_knows_its_rank(runs: Path) -> None:
         True,
     )
     assert "rank 0 received it and did not produce it" in str(ov0)
+    # its diagnosis says so too (the scaler skipped the step, but that is no benign backoff of rank 0's own)
+    for d0 in (part0.diagnose(), tr.rank_view(0).diagnose()):
+        assert d0.cause == "received" and d0.overflow == ov0 and not d0.ok
+        assert d0.summary == (
+            "Rank 0 received nan at step 2 through the gradient reduction from another rank; this rank's trace "
+            "alone cannot say what produced it."
+        )
+        assert d0.advice[0].startswith("Load the folder all ranks saved to (`nantrace.load(folder)`")
     part1 = nantrace.load(runs / "nan_data" / "rank-00001-of-00002.nantrace")
     ov1 = part1.first_overflow()
     assert ov1 is not None and (ov1.rank, ov1.phase, ov1.propagated) == (1, "data", False)
+
+
+# ------------------------------------------------------------------------------------------------ stale parts
+def test_every_rank_shares_one_run_id_per_recording(runs: Path) -> None:
+    ids0, ids1 = info(runs, 0)["run_id"], info(runs, 1)["run_id"]
+    assert ids0 == ids1  # rank 0's uuid, broadcast when the trace was created
+    assert len(ids0["nan_data"]) == 32 and ids0["nan_data"] != ids0["healthy"]
+    tr = nantrace.load(runs / "nan_data")
+    assert tr.header["run_id"] == ids0["nan_data"]
+    assert (
+        nantrace.load(runs / "nan_data" / "rank-00001-of-00002.nantrace").header["run_id"] == ids0["nan_data"]
+    )
+
+
+def test_parts_left_over_from_an_earlier_run_are_ignored_with_a_warning(runs: Path) -> None:
+    """A NaN run saved by both ranks, then a healthy run into the same path where rank 1 did not save: the
+    merged trace is the healthy run's rank 0, not the earlier run's NaN on rank 1."""
+    ids = info(runs, 0)["run_id"]
+    with pytest.warns(UserWarning) as got:
+        tr = nantrace.load(runs / "stale")
+    texts = [str(w.message) for w in got]
+    assert len(texts) == 2
+    assert texts[0].startswith(
+        f"{str(runs / 'stale')!r} holds parts of 2 runs: loading the newest, run {ids['healthy']} (saved "
+    )
+    assert (
+        "ignoring 1 part(s) left over from another run: rank-00001-of-00002.nantrace (run "
+        f"{ids['nan_data']}, saved "
+    ) in texts[0]
+    assert "holds 1 of 2 rank parts; ranks [1] are missing" in texts[1]
+    assert tr.ranks == [0] and tr.header["run_id"] == ids["healthy"]
+    assert tr.first_overflow() is None
+    assert tr.diagnose().cause == "healthy"
+    assert len(tr.steps) == STEPS and not tr.steps["skipped"].astype(bool).any()
+
+
+def test_a_part_copied_from_another_run_is_ignored(runs: Path, tmp_path: Path) -> None:
+    ids = info(runs, 0)["run_id"]
+    d = tmp_path / "copied"
+    d.mkdir()
+    for scenario, rank in (("healthy", 0), ("nan_data", 1)):  # the NaN run was saved before the healthy one
+        name = f"rank-{rank:05d}-of-00002.nantrace"
+        (d / name).write_bytes((runs / scenario / name).read_bytes())
+    tr, texts = _load_warned(d)
+    assert len(texts) == 2 and "holds 1 of 2 rank parts; ranks [1] are missing" in texts[1]
+    assert (
+        "ignoring 1 part(s) left over from another run: rank-00001-of-00002.nantrace (run " + ids["nan_data"]
+    ) in texts[0]
+    assert tr.ranks == [0] and tr.first_overflow() is None
+    # the newest run wins, whichever rank it is
+    (d / "rank-00000-of-00002.nantrace").write_bytes(
+        (runs / "nan_data" / "rank-00000-of-00002.nantrace").read_bytes()
+    )
+    (d / "rank-00001-of-00002.nantrace").write_bytes(
+        (runs / "healthy" / "rank-00001-of-00002.nantrace").read_bytes()
+    )
+    tr, texts = _load_warned(d)
+    assert "left over from another run: rank-00000-of-00002.nantrace (run " + ids["nan_data"] in texts[0]
+    assert "ranks [0] are missing" in texts[1]
+    assert tr.ranks == [1] and tr.first_overflow() is None
+
+
+def _load_warned(folder: Path) -> tuple[nantrace.Trace, list[str]]:
+    with pytest.warns(UserWarning) as got:
+        tr = nantrace.load(folder)
+    return tr, [str(w.message) for w in got]
+
+
+def test_files_written_without_run_id_still_load(runs: Path, tmp_path: Path) -> None:
+    """A header without ``run_id``/``saved_at`` (older nantrace): a single-process file loads; in a folder such a
+    part counts as one run saved at its file's modification time."""
+    import pyarrow.parquet as pq
+
+    def strip(src: Path, dst: Path) -> None:
+        table = pq.read_table(src)
+        meta = dict(table.schema.metadata)
+        footer = json.loads(meta[b"nantrace"])
+        del footer["header"]["run_id"], footer["header"]["saved_at"]
+        meta[b"nantrace"] = json.dumps(footer).encode()
+        pq.write_table(table.replace_schema_metadata(meta), dst)
+
+    m = Net()
+    with nantrace.trace(m) as one:
+        m(torch.full((2, 4), 2e38))
+    strip(one.save(tmp_path / "one.nantrace"), tmp_path / "old.nantrace")
+    old = nantrace.load(tmp_path / "old.nantrace")
+    assert "run_id" not in old.header and old.first_overflow() == one.first_overflow()
+    d = tmp_path / "mixed"
+    d.mkdir()
+    strip(runs / "nan_data" / "rank-00001-of-00002.nantrace", d / "rank-00001-of-00002.nantrace")
+    os.utime(d / "rank-00001-of-00002.nantrace", (0, 0))  # saved in 1970
+    (d / "rank-00000-of-00002.nantrace").write_bytes(
+        (runs / "healthy" / "rank-00000-of-00002.nantrace").read_bytes()
+    )
+    tr, texts = _load_warned(d)
+    assert "rank-00001-of-00002.nantrace (a run without run id, saved 1970-01-01 00:00:00 UTC)" in texts[0]
+    assert "ranks [1] are missing" in texts[1]
+    assert tr.ranks == [0] and tr.first_overflow() is None
+
+
+def test_merged_diagnosis_of_a_received_value_names_the_producer_or_passes_a_backoff(runs: Path) -> None:
+    """The rule diagnose_merged applies to the rank it reads: a received value whose producer (the merged
+    event of that step) is another rank's fault is ``received`` naming that rank; one whose producer was a
+    scale-dependent backward overflow is passed over as that rank's loss-scale backoff."""
+    from dataclasses import replace
+
+    from nantrace._diagnose import _diagnose
+
+    tr = nantrace.load(runs / "nan_data")
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.rank, ov.step, ov.phase) == (1, 2, "data")
+    d = _diagnose(tr.rank_view(0), [ov])
+    assert d.cause == "received" and d.overflow is not None and d.overflow.rank == 0
+    assert d.summary == "Rank 0 received nan at step 2 through the gradient reduction; rank 1 produced it."
+    assert d.evidence[-1] == (
+        "the merged trace names rank 1 as the producer: data, the model inputs, nan in `input[0]`"
+    )
+    assert d.advice == ["Diagnose the producing rank: `tr.rank_view(1).diagnose()`."]
+    backoff = replace(
+        ov, phase="backward", module="fc1", module_type="Linear", tensor="weight.grad", kind="inf"
+    )
+    assert _diagnose(tr.rank_view(0), [backoff]).cause == "scaler_backoff"  # step 2 skipped, step 3 trained
 
 
 # ------------------------------------------------------------------------------------------------ (2) forward
@@ -295,6 +437,8 @@ def test_forward_overflow_on_rank0_only(runs: Path) -> None:
 
 def test_overflow_made_by_the_reduction_itself(runs: Path) -> None:
     """DDP's float16 compression hook: every rank's local gradients are finite float32, the reduced ones +inf."""
+    from nantrace._diagnose import _g  # the number format of the diagnosis text
+
     tr = nantrace.load(runs / "compress")
     rec = tr.records
     step1 = rec[rec["step"] == 1]
@@ -312,12 +456,33 @@ def test_overflow_made_by_the_reduction_itself(runs: Path) -> None:
         False,
     )
     assert "the reduction itself produced it" in str(ov)
+    # per rank: the rank the merged answer names is the producer, the other received it
     per = tr.overflows(per_rank=True)
-    assert per[["step", "rank", "propagated"]].values.tolist() == [[1, 0, True], [1, 1, True]]
-    # one rank's part alone cannot tell: received
+    assert per[["step", "rank", "propagated"]].values.tolist() == [[1, 0, False], [1, 1, True]]
+    assert per["message"][0] == str(ov)
+    # diagnose() agrees with first_overflow(): the reduction overflowed, not the (float32, unautocast) backward
+    d = tr.diagnose()
+    assert d.cause == "backward_overflow" and d.overflow == ov and d.overflow.propagated is False
+    assert d.summary == (
+        "Rank 0: The gradient reduction overflowed at step 1: every rank's local gradients were finite, the "
+        "reduced `weight.grad` of `fc1` was inf (e.g. float16 gradient compression)."
+    )
+    local = rec[(rec["step"] == 1) & (rec["rank"] == 0) & ~rec["reduced"]]
+    w = local[(local["module"].astype(str) == "fc1") & (local["tensor"].astype(str) == "weight.grad")]
+    assert len(w) == 1 and 65504 < float(w["absmax"].iloc[0]) < 3e38
+    assert d.evidence[1].startswith(
+        "at step 1 every rank's local gradients were finite; on rank 0 the local `weight.grad` of `fc1` had "
+        f"absmax {_g(float(w['absmax'].iloc[0]))} ("
+    )
+    assert "still multiplied by the loss scale 256" in d.evidence[1]
+    assert d.advice[0].startswith("Use bfloat16 compression (`bf16_compress_hook`")
+    assert not any("autocast" in a or "keep `fc1` in float32" in a.lower() for a in d.advice)
+    # one rank's part alone cannot tell: received, and diagnose() says so
     part = nantrace.load(runs / "compress" / "rank-00001-of-00002.nantrace")
     ov1 = part.first_overflow()
     assert ov1 is not None and (ov1.rank, ov1.propagated) == (1, True)
+    d1 = part.diagnose()
+    assert (d1.cause, d1.overflow) == ("received", ov1)
 
 
 # ------------------------------------------------------------------------------------------------ (3) healthy
@@ -357,6 +522,44 @@ def test_report_names_the_rank(runs: Path, capsys: pytest.CaptureFixture[str]) -
     ) in out
     tr = nantrace.load(runs / "nan_data")
     assert repr(tr).startswith("<nantrace.Trace of DistributedDataParallel: 4 steps, ")
+
+
+def test_report_repr_and_plots_count_each_step_once_and_name_the_rank(
+    runs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nantrace import plot
+    from nantrace.cli import main, summary_lines
+
+    tr = nantrace.load(runs / "nan_data")
+    # step 2 was skipped on both ranks: one skipped step of 4, not 2 of 8
+    assert repr(tr).startswith(
+        f"<nantrace.Trace of DistributedDataParallel: 4 steps, {len(tr.records)} records, 1 skipped"
+    )
+    assert main(["report", str(runs / "nan_data")]) == 1
+    out = capsys.readouterr().out
+    assert "summary of rank 1\nsteps: 4, records: " in out and "skipped steps (1): 2\n" in out
+    # the summary of a merged trace itself: each step once, loss and scale of the lowest rank
+    assert summary_lines(tr)[:3] == [
+        f"steps: 4, records: {len(tr.records)}",
+        "loss scale (rank 0): 256 (steps 0-2, 1 skipped) → 128 (step 3)",
+        "skipped steps (1): 2",
+    ]
+    fig = plot.overview(tr.records, tr.steps)
+    heat, timeline = fig.axes[0], fig.axes[1]
+    assert heat.get_title(loc="left").endswith(
+        "(ranks 0, 1 merged);\nrank 1 produced the first overflow: step 2, data, the model inputs"
+    )
+    assert "first non-finite value at step 2 in " in heat.get_title(loc="left")
+    lines = {a.get_gid(): a for ax in fig.axes for a in ax.get_lines() if a.get_gid()}
+    st = tr.steps
+    for rank, gid in ((0, "loss"), (1, "loss_rank1")):  # one loss line per rank, not one zig-zag line
+        assert lines[gid].get_xdata().tolist() == list(range(STEPS))
+        want = st.loc[st["rank"] == rank, "loss"].to_numpy()
+        assert np.array_equal(lines[gid].get_ydata(), want, equal_nan=True)
+        assert lines[gid].get_label() == f"loss, rank {rank}"
+    assert lines["scale"].get_xdata().tolist() == list(range(STEPS))
+    assert lines["skipped"].get_xdata().tolist() == [2.0]
+    assert timeline.get_title(loc="left").startswith("Loss scale (rank 0, the same on every rank)")
 
 
 def test_live_mode_rank0_learns_the_producing_rank(runs: Path) -> None:

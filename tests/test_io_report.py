@@ -62,6 +62,32 @@ def test_save_load_round_trip_is_equal(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["run.nantrace"]  # no temporary files left
 
 
+@pytest.mark.parametrize("loaded", [False, True], ids=["live", "loaded"])
+def test_changing_returned_frames_does_not_change_the_trace(tmp_path: Path, loaded: bool) -> None:
+    import warnings
+
+    tr = _overflowing_trace()
+    if loaded:
+        tr = nantrace.load(tr.save(tmp_path / "a.nantrace"))
+    n, ov, n_steps, n_ops = len(tr.records), tr.first_overflow(), len(tr.steps), len(tr.ops)
+    assert ov is not None and (ov.step, ov.module) == (2, "down") and n > 0 and n_ops > 0
+    r = tr.records
+    assert r is not tr.records
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # pandas 3.1 deprecates inplace=
+        warnings.simplefilter("ignore", FutureWarning)
+        r.drop(r[r["module"].astype(str) == "down"].index, inplace=True)
+        r["n_posinf"] = 0
+        st = tr.steps
+        st.drop(st.index, inplace=True)
+        ops = tr.ops
+        ops.drop(ops.index, inplace=True)
+    assert len(r) < n and len(st) == 0 and len(ops) == 0
+    assert len(tr.records) == n and len(tr.steps) == n_steps and len(tr.ops) == n_ops
+    assert tr.first_overflow() == ov
+    assert int(tr.records["n_posinf"].sum()) > 0
+
+
 def test_loaded_trace_is_read_only(tmp_path: Path) -> None:
     back = nantrace.load(_overflowing_trace(1).save(tmp_path / "a.nantrace"))
     with pytest.raises(nantrace.NantraceError, match="read-only"), back:
