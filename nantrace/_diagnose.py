@@ -13,7 +13,9 @@ An event is *scale-dependent* (the kind a GradScaler exists to absorb) when the 
 in ``backward``, or in ``loss`` on the gradient arriving at the model's outputs while the loss value itself was
 finite. Every other event is a *fault*, classified on the spot:
 
-* ``data``: phase ``data`` (NaN/+inf, or a -inf that is not an attention mask, in the model inputs).
+* ``data``: phase ``data`` (NaN/+inf, or a -inf that is not an attention mask, in the model inputs); or a
+  forward inf made from call inputs already holding inf while a model input was a mask holding -inf: the mask's
+  -inf went on into values that are not a mask (locator rule 3).
 * ``divergence`` (checked before the phase rules below; needs history, so a step-0 fault never is one): at least
   :data:`DIVERGENCE_MIN_STEPS` earlier steps were recorded, and over the last :data:`DIVERGENCE_WINDOW` of them
   the forward output absmax (of the producer module for a forward event, else of the whole model) grew at least
@@ -30,6 +32,15 @@ finite. Every other event is a *fault*, classified on the spot:
 * ``backward_overflow``: phase ``backward``, kind inf, not absorbed by a GradScaler (no scaler, or not skipped).
 * ``optimizer``: phase ``optimizer`` (finite gradients, non-finite parameters after ``optimizer.step()``).
 
+Under torch.distributed (see ``nantrace._dist``) an event is first checked for where it came from, before the
+rules above. One rank's trace (a part, or ``Trace.rank_view(r)``) holds an event with ``propagated=True`` when
+the rank's own values were finite and the value arrived through the gradient reduction: ``received``, since this
+rank's rows cannot say what another rank did (the merged folder names the producer). In a merged trace the same
+event is passed over when the rank that produced it (the merged locator's producer of that step) did so in a
+scale-dependent way (a backoff that the other rank only shared), and is ``received`` naming that rank otherwise;
+when the merged locator found that the reduction itself made the value (every rank's local gradients finite),
+it is ``backward_overflow`` (``invalid_op`` for NaN) with the local absmax and the reduction as evidence.
+
 A scale-dependent event belongs to a *run* of consecutive skipped steps. The run is a *collapse* when it is at
 least :data:`COLLAPSE_RUN` steps long (the scale fell 256x in a row), or the loss scale falls below 1, or at least
 half the steps from its start on are skipped and either :data:`COLLAPSE_RUN` of them are or the skips come back
@@ -39,7 +50,11 @@ times (the scale keeps falling; a scaler that grows and backs off in turn does n
 holds over the steps up to its last event, else ``loss_scale_collapse`` (its ``overflow`` is the run's last
 event: what still overflowed at the lowest scale). Any other run is a benign backoff and the search goes on.
 
-When no fault was found: ``loss_scale_collapse`` for a collapse seen only in ``steps`` (backward not recorded);
+When the GradScaler skipped steps but the trace holds no non-finite value at all while it recorded the backward
+of the whole model (``backward`` phase, no ``modules=`` filter, one process): ``scaler_backoff`` with no event
+and evidence that the overflow came from outside the traced model (another model sharing the GradScaler, as in a
+GAN, or parameters outside it); this model is not blamed. Otherwise, when no fault was found:
+``loss_scale_collapse`` for a collapse seen only in ``steps`` (backward not recorded);
 ``gradient_underflow`` when the run computed in float16 and at least :data:`UNDERFLOW_FRACTION` of the
 parameter-gradient tensors (embeddings excepted; every step) are flushed: their largest ``|g|`` (as recorded,
 i.e. times the loss scale) is below float16's smallest normal 2⁻¹⁴, or below :data:`UNDERFLOW_SMALL_ABSMAX` with
@@ -63,7 +78,7 @@ import html
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -113,6 +128,7 @@ CAUSES: tuple[str, ...] = (
     "optimizer",
     "gradient_underflow",
     "healthy",
+    "received",
 )
 
 FP16_MAX = 65504.0  # torch.finfo(torch.float16).max
@@ -163,7 +179,8 @@ class Diagnosis:
     Attributes:
         cause: exactly one of :data:`CAUSES`: ``"data"``, ``"forward_overflow"``, ``"invalid_op"``, ``"loss"``,
             ``"backward_overflow"``, ``"scaler_backoff"``, ``"loss_scale_collapse"``, ``"divergence"``,
-            ``"optimizer"``, ``"gradient_underflow"`` or ``"healthy"``.
+            ``"optimizer"``, ``"gradient_underflow"``, ``"healthy"`` or, for one rank's trace of a
+            torch.distributed run whose value came through the gradient reduction, ``"received"``.
         overflow: the :class:`~nantrace.Overflow` the cause is about (the root event, which is not always the
             first overflow of the run: a benign scaler backoff before a real fault is passed over), or ``None``
             (``healthy``, ``gradient_underflow``, a divergence that has not overflowed yet).
@@ -345,6 +362,12 @@ class _Run:
             self._starts[prefix] = hit
         return hit
 
+    def whole_backward(self) -> bool:
+        """The trace recorded the backward of the whole model (``backward`` phase, no ``modules=`` filter), so
+        a non-finite gradient of it could not have gone unrecorded."""
+        phases = self.options.get("phases")
+        return (phases is None or "backward" in phases) and self.options.get("modules") is None
+
     def has_scaler(self) -> bool:
         return any(v is not None for v in self.skipped.values()) or any(
             not math.isnan(v) for v in self.scale.values()
@@ -489,6 +512,8 @@ def _overflow_from_row(r: Mapping[Any, Any]) -> Overflow:
         kind=str(r["kind"]),
         dtype=DType(str(r["dtype"])),
         message=str(r.get("message", "") or ""),
+        rank=int(r.get("rank", 0) or 0),
+        propagated=bool(r.get("propagated", False)),
     )
 
 
@@ -742,6 +767,44 @@ def _own_code(run: _Run, ev: Overflow) -> bool:
     return bool(m.any())
 
 
+def _leaked_masks(run: _Run, ev: Overflow) -> list[str] | None:
+    """For a forward inf made from call inputs that already held inf while a model input was a mask holding
+    -inf: the names of those mask inputs (the mask's -inf went on beyond the mask); else ``None``."""
+    if ev.kind != "inf":
+        return None
+    inputs = _call_inputs(run, ev)
+    if not len(inputs) or int(inputs[["n_posinf", "n_neginf"]].to_numpy().sum()) == 0:
+        return None
+    data = run.rows_of(ev.step, "data")
+    data = data[data["micro_step"].to_numpy() == ev.micro_step]
+    data = data[is_mask(data)]
+    if not len(data):
+        return None
+    names = [
+        str(a) if isinstance(a, str) else str(t) for a, t in zip(data["arg"], data["tensor"], strict=True)
+    ]
+    return list(dict.fromkeys(names))
+
+
+def _mask_leak(run: _Run, ev: Overflow, masks: list[str]) -> Diagnosis:
+    shown = ", ".join(f"`{n}`" for n in masks)
+    where = f"step {ev.step}" + (f", micro-step {ev.micro_step}" if ev.micro_step else "")
+    evidence = [
+        f"model input(s) {shown} held -inf and count as attention masks (by name, or every value 0 or -inf)",
+        f"{_name(ev.module)} ({ev.module_type}, call {ev.call}) at {where} passed that -inf on into `{ev.tensor}`, "
+        "which is not a mask, and it went on (an intended mask value only feeds attention scores before a "
+        "softmax)",
+    ]
+    advice = [
+        f"If {shown} is data, not a mask, find where its -inf comes from (e.g. log(0)) and clamp it; an "
+        "argument named with 'mask' or 'bias' counts as an attention mask, so rename it.",
+        "If it is a mask, add it only to attention scores that a softmax consumes, or use a large finite "
+        "negative value (`torch.finfo(dtype).min`) instead of -inf.",
+    ]
+    summary = f"The -inf of the mask/bias input {shown} reached values that are not a mask at {where}."
+    return Diagnosis("data", ev, evidence, advice, summary)
+
+
 def _forward_overflow(run: _Run, ev: Overflow) -> Diagnosis:
     inputs = _call_inputs(run, ev)
     in_absmax = _finite_max(inputs)
@@ -760,9 +823,14 @@ def _forward_overflow(run: _Run, ev: Overflow) -> Diagnosis:
             "(autocast) gives inf, and inf − inf or 0·inf then gives NaN"
         )
     if own_code:
+        where = (
+            f"first seen at `{ev.tensor}` of a submodule"
+            if ev.tensor.startswith("input")
+            else f"first seen at `{ev.tensor}` of {_name(ev.module)} itself, not of a submodule"
+        )
         evidence.append(
-            f"first seen at `{ev.tensor}` of a submodule: the overflow is in {_name(ev.module)}'s own forward "
-            "code between its submodules (every submodule output before it was finite)"
+            f"{where}: the overflow is in {_name(ev.module)}'s own forward code between its submodules (every "
+            "submodule output before it was finite)"
         )
     if op:
         evidence.append(f"the forward replay names the op: `{op}`")
@@ -899,10 +967,12 @@ def _loss(run: _Run, ev: Overflow) -> Diagnosis:
     loss_dtype = str(loss_rows["dtype"].iloc[0]) if len(loss_rows) else str(ev.dtype)
     which = "the loss" if ev.tensor.startswith("loss") else "the gradient arriving at the model's outputs"
     lv = run.loss.get(ev.step, math.nan)
-    evidence = [
-        f"the model's outputs at step {ev.step} were finite (absmax {_g(_finite_max(outs))}) but {which} was "
-        f"{ev.kind} ({ev.dtype})",
-    ]
+    seen = (
+        f"were finite (absmax {_g(_finite_max(outs))})"
+        if len(outs)
+        else "were not recorded (no traced forward in this step)"
+    )
+    evidence = [f"the model's outputs at step {ev.step} {seen} but {which} was {ev.kind} ({ev.dtype})"]
     if not math.isnan(lv) and not ev.tensor.startswith("loss"):
         evidence.append(f"loss value at step {ev.step}: {_g(lv)} ({loss_dtype})")
     bad = [e.step for e in run.events if e.phase == "loss"]
@@ -925,7 +995,10 @@ def _loss(run: _Run, ev: Overflow) -> Diagnosis:
             "The loss was finite but its gradient was not: a reduction such as `sum()` times the loss scale can "
             "exceed 65504 in float16; use `mean()` or cast the outputs to float32 before the loss."
         )
-    summary = f"The model's outputs were finite but {which} was non-finite at step {ev.step}."
+    summary = (
+        f"The model's outputs were {'finite' if len(outs) else 'not recorded'} but {which} was non-finite at "
+        f"step {ev.step}."
+    )
     return Diagnosis("loss", ev, evidence, advice, summary)
 
 
@@ -1247,6 +1320,30 @@ def _underflow(run: _Run) -> Diagnosis | None:
     return Diagnosis("gradient_underflow", None, evidence, advice, summary)
 
 
+def _outside(run: _Run) -> Diagnosis:
+    """The GradScaler skipped steps but the whole model's backward, recorded, stayed finite: the overflow the
+    scaler found was in gradients this trace does not hold."""
+    sk = run.skipped_steps()
+    evidence = [
+        f"no value recorded in this model's forward, loss or backward held inf/NaN, at the skipped steps "
+        f"{_steps_text(sk)} or any other (the backward of every module and parameter was traced)",
+        "so the non-finite gradients the scaler found were outside the traced model: another model sharing "
+        "the GradScaler (e.g. a GAN's discriminator), or parameters the optimizer steps that are not in it",
+    ]
+    skips = _skips_text(run)
+    if skips:
+        evidence.append(skips)
+    advice = [
+        "Nothing to fix in this model. Trace the other model stepped with the same GradScaler (`nantrace run` "
+        "traces each model a script calls), or give each model its own GradScaler, and diagnose that trace.",
+    ]
+    summary = (
+        f"The GradScaler skipped {len(sk)} step(s), but this model's gradients stayed finite: the overflow came "
+        "from outside the traced model (e.g. another model sharing the GradScaler)."
+    )
+    return Diagnosis("scaler_backoff", None, evidence, advice, summary)
+
+
 def _healthy(run: _Run) -> Diagnosis:
     from ._report import headroom_table
 
@@ -1287,6 +1384,9 @@ def _fault(run: _Run, ev: Overflow) -> Diagnosis:
     if ev.phase == "loss":
         return _loss(run, ev)
     if ev.phase == "forward":
+        masks = _leaked_masks(run, ev)
+        if masks is not None:
+            return _mask_leak(run, ev, masks)
         if ev.kind == "inf" or _input_beyond_range(run, ev):
             return _forward_overflow(run, ev)
         return _invalid_op(run, ev)
@@ -1314,6 +1414,89 @@ def _judge_skip_run(run: _Run, skip_run: list[int], in_run: list[Overflow]) -> D
     return _collapse(run, in_run[-1], skip_run)
 
 
+def _received(run: _Run, ev: Overflow, producer: Overflow | None, world_size: int | None) -> Diagnosis:
+    """``ev`` is only in this rank's reduced gradients: another rank (``producer`` when known) produced it."""
+    of = f" of {world_size}" if world_size else ""
+    local = run.records
+    if "reduced" in local.columns:
+        local = local[~local["reduced"].to_numpy(dtype=bool)]
+    lrows = local[(local["step"].to_numpy() == ev.step)]
+    evidence = [
+        f"rank {ev.rank}{of}: every local value at step {ev.step} was finite (largest local absmax "
+        f"{_g(_finite_max(lrows))}), but `{ev.tensor}` of {_name(ev.module)} held {ev.kind} after the gradient "
+        "reduction (DDP all-reduce / FSDP reduce-scatter): received from another rank, not produced here"
+    ]
+    if run.skipped.get(ev.step) is True:
+        evidence.append(
+            f"the GradScaler skipped step {ev.step} (loss scale {_g(run.scale.get(ev.step, math.nan))}) on the "
+            "reduced gradients; whether that was a benign backoff depends on what the producing rank did"
+        )
+    if producer is not None:
+        where = "the model inputs" if producer.phase == "data" else _name(producer.module)
+        evidence.append(
+            f"the merged trace names rank {producer.rank} as the producer: {producer.phase}, {where}, "
+            f"{producer.kind} in `{producer.tensor}`"
+        )
+        advice = [f"Diagnose the producing rank: `tr.rank_view({producer.rank}).diagnose()`."]
+        summary = (
+            f"Rank {ev.rank} received {ev.kind} at step {ev.step} through the gradient reduction; rank "
+            f"{producer.rank} produced it."
+        )
+    else:
+        advice = [
+            "Load the folder all ranks saved to (`nantrace.load(folder)`, or `nantrace report FOLDER`; for a "
+            "`rank_view`, the merged trace itself): the merged trace names the rank that produced it and "
+            "diagnoses that rank."
+        ]
+        summary = (
+            f"Rank {ev.rank} received {ev.kind} at step {ev.step} through the gradient reduction from another "
+            "rank; this rank's trace alone cannot say what produced it."
+        )
+    return Diagnosis("received", ev, evidence, advice, summary)
+
+
+def _reduction_made(run: _Run, ev: Overflow, world_size: int | None) -> Diagnosis:
+    """Every rank's local gradients were finite; the reduced ``ev.tensor`` was not: the reduction made it."""
+    ev = replace(ev, propagated=False)
+    r = run.records
+    local = r[
+        (r["step"].to_numpy() == ev.step) & (run.phase == "backward") & np.char.endswith(run.tensor, ".grad")
+    ]
+    if "reduced" in local.columns:
+        local = local[~local["reduced"].to_numpy(dtype=bool)]
+    same = local[(local["module"].astype(str) == ev.module) & (local["tensor"].astype(str) == ev.tensor)]
+    scale = run.scale.get(ev.step, math.nan)
+    scaled = f", still multiplied by the loss scale {_g(scale)}" if scale > 1 else ""  # NaN: no GradScaler
+    evidence = [
+        f"at step {ev.step} every rank's local gradients were finite; on rank {ev.rank} the local `{ev.tensor}` of "
+        f"{_name(ev.module)} had absmax {_g(_finite_max(same))} (largest local parameter gradient "
+        f"{_g(_finite_max(local))}{scaled})",
+        f"after the gradient reduction `{ev.tensor}` held {ev.kind} ({ev.dtype}): the reduction itself produced "
+        "it, not a rank's forward or backward",
+        f"float16 overflows above {_g(FP16_MAX)}: a communication hook that casts gradients to float16 before the "
+        "all-reduce (DDP's `fp16_compress_hook`) turns a larger gradient into inf",
+    ]
+    if world_size:
+        evidence.append(f"world size {world_size}")
+    advice = [
+        "Use bfloat16 compression (`bf16_compress_hook`: float32's range, max 3.4e38) or no compression hook, "
+        "so the reduction keeps the gradients' range.",
+        f"Or keep float16 compression but scale the gradients down before the cast (divide by the world size "
+        f"before casting, not after), so that no gradient exceeds {_g(FP16_MAX)}"
+        + (
+            f"; with a GradScaler they are reduced still scaled ({_g(scale)}): a lower `init_scale` also helps."
+            if scale > 1
+            else "."
+        ),
+    ]
+    summary = (
+        f"The gradient reduction overflowed at step {ev.step}: every rank's local gradients were finite, the "
+        f"reduced `{ev.tensor}` of {_name(ev.module)} was {ev.kind} (e.g. float16 gradient compression)."
+    )
+    cause = "backward_overflow" if ev.kind == "inf" else "invalid_op"
+    return Diagnosis(cause, ev, evidence, advice, summary)
+
+
 def diagnose(trace: Trace) -> Diagnosis:
     """Why the traced run went non-finite, or that it did not: a :class:`Diagnosis`.
 
@@ -1334,11 +1517,27 @@ def diagnose(trace: Trace) -> Diagnosis:
             raise TypeError(
                 f"diagnose() needs a nantrace.Trace (records, steps, overflows()); got {type(trace).__name__}"
             )
+    return _diagnose(trace)
+
+
+def _diagnose(trace: Trace, merged: list[Overflow] | None = None) -> Diagnosis:
+    """:func:`diagnose`; ``merged``: the merged trace's events (one per step, the cross-rank producer) when
+    ``trace`` is the rank view of the rank a merged diagnosis reads."""
     run = _Run(trace)
+    world_size = getattr(trace, "world_size", None)
+    producers = {ev.step: ev for ev in merged} if merged is not None else {}
     benign: list[Overflow] = []
     dependent = [run.scale_dependent(ev) for ev in run.events]
     judged: dict[int, Diagnosis | None] = {}  # first step of a skip run -> its verdict (None: benign)
     for i, ev in enumerate(run.events):
+        if ev.propagated:
+            prod = producers.get(ev.step)
+            if prod is None or prod.propagated:  # one rank's trace, or a merged one that lacks the producer
+                return _received(run, ev, None, world_size)
+            if prod.rank == ev.rank and not prod.propagated:
+                return _reduction_made(run, prod, world_size)
+            if not run.scale_dependent(prod):
+                return _received(run, ev, prod, world_size)
         if not dependent[i]:
             return _fault(run, ev)
         skip_run = run.skip_run(ev.step)
@@ -1350,6 +1549,8 @@ def diagnose(trace: Trace) -> Diagnosis:
         if verdict is not None:
             return verdict
         benign.append(ev)
+    if not run.events and run.skipped_steps() and (world_size or 1) == 1 and run.whole_backward():
+        return _outside(run)
     # no fault among the events: runs of skips that left no record (backward not traced)
     seen: set[int] = set()
     for s in run.skipped_steps():

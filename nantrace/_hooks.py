@@ -24,7 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from ._stats import describable, is_clean_host, stats_device, stats_host
+from ._stats import describable, is_clean_host, op_input_kinds, stats_device, stats_host, tensor_kinds
 from ._store import PHASE_CODE, PendingStep, Store
 
 __all__ = ["Recorder", "flatten"]
@@ -98,7 +98,11 @@ class _Stop(Exception):
 
 
 class FirstNonfinite(TorchFunctionMode):
-    """Replays a forward and stops at the first torch op whose output holds a kind not in ``known``."""
+    """Replays a forward and stops at the first torch op that *produced* a kind not in ``known`` (the module
+    call's input kinds): one of its outputs holds it and none of its inputs did, a non-finite scalar argument
+    counting as an input (:func:`nantrace._stats.op_input_kinds`, the rule of :func:`nantrace.hunt`). So
+    ``masked_fill(mask, -inf)`` does not produce its -inf, while ``softmax`` of a fully masked row produces
+    NaN. ``found`` is ``(op name, kind)``; of several new kinds, ``"nan"`` is named first."""
 
     def __init__(self, known: frozenset[str]) -> None:
         super().__init__()
@@ -106,21 +110,16 @@ class FirstNonfinite(TorchFunctionMode):
         self.found: tuple[str, str] | None = None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        _, before = op_input_kinds(args, kwargs)  # before the op runs: an in-place op overwrites its input
+        out = func(*args, **kwargs)
         for _, t in flatten(out, "out"):
             if not describable(t):
                 continue
-            x = t.detach()
-            new = []
-            if bool(torch.isposinf(x).any()) and "posinf" not in self.known:
-                new.append("posinf")
-            if bool(torch.isneginf(x).any()) and "neginf" not in self.known:
-                new.append("neginf")
-            if bool(torch.isnan(x).any()) and "nan" not in self.known:
-                new.append("nan")
+            new = tensor_kinds(t) - before - self.known
             if new:
                 name = getattr(func, "__name__", None) or str(func)
-                self.found = (name, new[0])
+                self.found = (name, next(k for k in ("nan", "posinf", "neginf") if k in new))
                 raise _Stop
         return out
 
@@ -167,6 +166,7 @@ class Recorder:
         self.seq = 0
         self.event = 0
         self.root_depth = 0
+        self.eval_depth = 0  # > 0 inside a root forward left out as evaluation (see module_hooks)
         self.stack: list[tuple[int, int, frozenset[str] | None, tuple[int, ...]]] = []
         self.calls: dict[int, int] = {}
         self.cache: dict[int, tuple[weakref.ref[torch.Tensor], int, Any, int]] = {}
@@ -352,13 +352,30 @@ class Recorder:
                 self.tensor_handles.append(h)
 
     def module_hooks(
-        self, mcode: int, tcode: int, *, is_root: bool, step_each_forward: Callable[[], bool], on_step: Any
+        self,
+        mcode: int,
+        tcode: int,
+        *,
+        is_root: bool,
+        step_each_forward: Callable[[], bool],
+        on_step: Any,
+        training: Callable[[], bool] = lambda: False,
     ) -> tuple[Callable[..., None], Callable[..., None]]:
-        """The forward pre-hook and forward hook (both ``with_kwargs=True``) for one module."""
+        """The forward pre-hook and forward hook (both ``with_kwargs=True``) for one module.
+
+        When ``training()`` is true (the trace has a GradScaler or an optimizer), a root forward that starts
+        with autograd disabled (``torch.no_grad``/``torch.inference_mode``: evaluation) is not a micro-step:
+        neither it nor any module call inside it is recorded (``eval_depth`` counts such root calls)."""
         phases = self.phases
 
         def pre(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if not self.active or in_backward():  # activation checkpointing recomputes forwards in backward
+                return
+            if self.eval_depth:
+                self.eval_depth += is_root
+                return
+            if is_root and self.root_depth == 0 and not torch.is_grad_enabled() and training():
+                self.eval_depth = 1
                 return
             if is_root and self.root_depth == 0:
                 if step_each_forward() and self.step_open():
@@ -401,6 +418,9 @@ class Recorder:
 
         def post(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if not self.active or in_backward():
+                return
+            if self.eval_depth:
+                self.eval_depth -= is_root
                 return
             call = -1
             in_kinds: frozenset[str] | None = None

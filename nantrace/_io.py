@@ -1,7 +1,8 @@
 """Saving and loading traces: one parquet file (pyarrow) per trace.
 
 The file's table is ``records``. Its schema metadata holds, under the key ``b"nantrace"``, a JSON header
-(format version, nantrace/torch/python versions, model class, dtypes, the arguments of ``trace``) and, as
+(format version, nantrace/torch/python versions, model class, dtypes, the arguments of ``trace``, rank and
+world size, the run id all ranks of a distributed recording share, the time of the save ``saved_at``) and, as
 base64 Arrow IPC streams, the ``steps`` and ``ops`` tables, so dtypes survive the round trip exactly.
 
 Writes are atomic: the file is written to a temporary name in the target directory, flushed to disk, then
@@ -18,6 +19,7 @@ import os
 import platform
 import tempfile
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -73,7 +75,7 @@ def _normalise(df: pd.DataFrame) -> pd.DataFrame:
 def _check_target(path: str | os.PathLike[str]) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike; got {type(path).__name__}: {path!r:.80}")
-    p = Path(path)
+    p = Path(path).expanduser()  # "~/x.nantrace" is the home directory, as in a shell
     if p.is_dir():
         raise ValueError(
             f"path {str(p)!r} is a directory; give a file name such as {str(p / 'trace.nantrace')!r}"
@@ -102,6 +104,9 @@ def header(tr: Trace, records: pd.DataFrame | None = None) -> dict[str, Any]:
         "options": tr.options,
         "rank": getattr(tr, "rank", 0),
         "world_size": getattr(tr, "world_size", 1),
+        # shared by every rank of one distributed recording (None in a single process): see nantrace._dist
+        "run_id": getattr(tr, "_run_id", None),
+        "saved_at": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
     }
 
 
@@ -164,13 +169,18 @@ def _meta(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike; got {type(path).__name__}: {path!r:.80}")
-    p = Path(path)
+    p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"no such trace file: {str(p)!r}")
     _, pq = _pa()
     try:
         file_meta = pq.ParquetFile(p).metadata.metadata
     except Exception as e:
+        if _is_repro(p):
+            raise NantraceError(
+                f"{str(p)!r} is a nantrace reproducer (written by save_repro), not a trace: rebuild it with "
+                "nantrace.load_repro(path)"
+            ) from None
         raise NantraceError(f"{str(p)!r} is not a nantrace trace (not a parquet file: {e})") from None
     raw = (file_meta or {}).get(MAGIC)
     if raw is None:
@@ -188,10 +198,23 @@ def _meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return dict(meta)
 
 
+def _is_repro(p: Path) -> bool:
+    """True when ``p`` is a ``torch.save`` zip archive holding a nantrace reproducer (read without unpickling)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(p) as z:
+            names = z.namelist()
+            pkl = next((n for n in names if n.endswith("/data.pkl")), None)
+            return pkl is not None and b"module_pickle" in z.read(pkl)
+    except (OSError, zipfile.BadZipFile, KeyError):
+        return False
+
+
 def read_records(path: str | os.PathLike[str]) -> pd.DataFrame:
     """The ``records`` table of a trace file (written by ``save`` or streamed with ``trace(path=...)``)."""
     _, pq = _pa()
-    return canonical_records(pq.read_table(Path(path)).to_pandas())
+    return canonical_records(pq.read_table(Path(path).expanduser()).to_pandas())
 
 
 def load(path: str | os.PathLike[str]) -> Trace:
@@ -200,19 +223,25 @@ def load(path: str | os.PathLike[str]) -> Trace:
     Its ``records``, ``steps``, ``ops``, ``first_overflow()``, ``overflows()`` and reprs equal the original's.
 
     A folder that the ranks of a ``torch.distributed`` run saved into (same ``path`` on every rank) loads as one
-    trace merged from all rank parts: every row keeps its ``rank``, and the locator works across ranks.
+    trace merged from all rank parts: every row keeps its ``rank``, and the locator works across ranks. Only the
+    parts of the newest run (by their header's ``run_id`` and ``saved_at``) are merged: parts left over from
+    another run in the folder are ignored with a ``UserWarning`` naming them, and ranks missing from the newest
+    run give another ``UserWarning``.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        NantraceError: ``path`` is not a trace, or comes from an incompatible format version; a folder without
+        NantraceError: ``path`` is not a trace (a nantrace reproducer is named as such: rebuild it with
+            :func:`nantrace.load_repro`), or comes from an incompatible format version; a folder without
             rank parts, or with parts of several world sizes.
     """
     from ._trace import Trace
 
-    if isinstance(path, (str, os.PathLike)) and Path(path).is_dir():
-        from ._dist import load_folder
+    if isinstance(path, (str, os.PathLike)):
+        path = Path(path).expanduser()  # "~" is the home directory, as in a shell
+        if path.is_dir():
+            from ._dist import load_folder
 
-        return Trace._from_saved(*load_folder(Path(path)))
+            return Trace._from_saved(*load_folder(path))
 
     meta = _meta(path)
     _, _pq = _pa()

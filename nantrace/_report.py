@@ -26,6 +26,12 @@ def dtype_max(name: str) -> float:
     return math.nan
 
 
+def _wide(dtype: str) -> bool:
+    """True for float32/float64 (a range of at least float32's): moving to float32 cannot help."""
+    m = dtype_max(dtype)
+    return not math.isnan(m) and m >= float(torch.finfo(torch.float32).max)
+
+
 def _g(v: float) -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4g}"
 
@@ -34,6 +40,32 @@ def _finite_absmax(rows: pd.DataFrame) -> float:
     v = rows["absmax"].to_numpy(dtype=np.float64)
     v = v[np.isfinite(v)]
     return float(v.max()) if v.size else math.nan
+
+
+def _mask_inputs(step_df: pd.DataFrame, micro: int) -> str:
+    """The model inputs of micro-step ``micro`` that are masks holding -inf (rule 3), as "`name`, `name`"."""
+    from ._locate import is_mask
+
+    data = step_df[(step_df["micro_step"] == micro) & (step_df["phase"].astype(str) == "data")]
+    rows = data[is_mask(data)]
+    names = [
+        str(a) if isinstance(a, str) else str(t) for a, t in zip(rows["arg"], rows["tensor"], strict=True)
+    ]
+    return ", ".join(f"`{n}`" for n in dict.fromkeys(names))
+
+
+def _reach(step_df: pd.DataFrame, micro: int) -> str:
+    out = step_df[
+        (step_df["micro_step"] == micro)
+        & (step_df["phase"].astype(str) == "forward")
+        & (step_df["module"].astype(str) == "")
+        & step_df["tensor"].astype(str).str.startswith("output")
+    ]
+    return (
+        "reached the model's output"
+        if _has(out, "posinf") or _has(out, "neginf")
+        else "went on past the mask"
+    )
 
 
 def _has(rows: pd.DataFrame, kind: str) -> bool:
@@ -114,12 +146,30 @@ def explain(
             else:
                 cause = "from inputs holding no inf/NaN: an invalid operation such as 0/0, sqrt/log of a negative, or a fully masked softmax row"
             return f"{head}, {cause}. Finite input absmax {in_absmax}."
+        if inputs_had_inf:  # the -inf of a mask/bias input went on into values that are not a mask
+            masks = _mask_inputs(step_df, micro)
+            src = f"the -inf of the mask/bias input(s) {masks}" if masks else "an inf its inputs already held"
+            return (
+                f"{head}, from {src} (finite input absmax {in_absmax}): it {_reach(step_df, micro)}, so it "
+                "is not an intended mask value that a softmax consumes but a fault. A mask's -inf belongs only in "
+                "attention scores before a softmax; for other additive terms use a large finite negative value "
+                "(torch.finfo(dtype).min). If that input is data, not a mask, rename it (names containing "
+                "'mask' or 'bias' count as masks)."
+            )
         climb = _climb(records, module, step)
-        return (
-            f"{head}, from finite inputs (input absmax {in_absmax}); {limit}.{climb} "
-            f"Keep {name} in float32 (under autocast: call it inside torch.autocast(..., enabled=False) with a "
-            f".float() input; in a .half() model: .float() it and its input), rescale what feeds it, or use bfloat16."
-        )
+        if _wide(dtype):  # float32/float64 already: a wider dtype is no cure
+            advice = (
+                f"Values beyond the {dtype} range mean a computation that blows up (exp or pow of a large "
+                f"input, a growing residual or weight): clamp or rescale what feeds {name}, or lower the "
+                "learning rate if it grew over steps."
+            )
+        else:
+            advice = (
+                f"Keep {name} in float32 (under autocast: call it inside torch.autocast(..., enabled=False) with "
+                "a .float() input; in a .half() model: .float() it and its input), rescale what feeds it, or use "
+                "bfloat16."
+            )
+        return f"{head}, from finite inputs (input absmax {in_absmax}); {limit}.{climb} {advice}"
     if phase == "loss":
         outs = step_df[
             (step_df["micro_step"] == micro)
@@ -130,7 +180,12 @@ def explain(
         which = (
             "the loss" if str(tensor).startswith("loss") else "the gradient arriving at the model's outputs"
         )
-        head = f"At {where} the model's outputs were finite (absmax {_g(_finite_absmax(outs))}) but {which} was {what} ({dtype})."
+        seen = (
+            f"the model's outputs were finite (absmax {_g(_finite_absmax(outs))})"
+            if len(outs)
+            else "the model's outputs were not recorded (no traced forward in this step)"
+        )
+        head = f"At {where} {seen} but {which} was {what} ({dtype})."
         scale = float(row["scale"]) if "scale" in row else 1.0
         if not str(tensor).startswith("loss") and scale != 1.0:
             losses = step_df[
@@ -157,11 +212,19 @@ def explain(
         ]
         scale = float(row["scale"]) if "scale" in row else 1.0
         scaled = f", loss scale {scale:g}" if scale != 1.0 else ""
-        tail = (
-            " A GradScaler skips such a step and lowers the scale; only a persistent run of them is a fault."
-            if scale != 1.0
-            else " Keep this module in float32 or clip/rescale what flows into it."
-        )
+        if raw_kind == "nan":
+            tail = (
+                " Not an overflow (a lower loss scale does not remove it): an op whose derivative is infinite at "
+                "the values it saw (log/log1p or sqrt at 0, x/0) under a torch.where/mask that discards its "
+                "result still sends 0·inf = NaN back. Make its input safe before the op, or clamp it away from "
+                "the singular point."
+            )
+        elif scale != 1.0:
+            tail = " A GradScaler skips such a step and lowers the scale; only a persistent run of them is a fault."
+        elif _wide(dtype):
+            tail = f" Clip or rescale the gradients that flow into {name} (or the loss)."
+        else:
+            tail = f" Keep {name} in float32 or clip/rescale what flows into it."
         gdtypes = [str(d) for d in gout["dtype"].astype(str).unique()]
         narrow = min(gdtypes, key=dtype_max) if gdtypes else dtype
         if (
@@ -170,6 +233,14 @@ def explain(
             limit = (
                 f"computed from {narrow} gradients, which overflow above {dtype_max(narrow):.6g} "
                 f"(torch.finfo(torch.{narrow}).max)"
+            )
+        if (
+            raw_kind == "nan"
+        ):  # 0·inf, inf−inf, 0/0, sqrt/log of a negative: the dtype's range is not the cause
+            return (
+                f"At {where}, the backward of {name} ({mtype}) turned finite incoming gradients (grad_output "
+                f"absmax {_g(_finite_absmax(gout))}{scaled}) into NaN in `{tensor}` ({dtype}): an invalid "
+                f"operation in its backward (0·inf, inf−inf, 0/0, sqrt/log of a negative).{tail}"
             )
         return (
             f"At {where}, the backward of {name} ({mtype}) turned finite incoming gradients (grad_output absmax "
@@ -220,13 +291,23 @@ def _headroom_words(absmax: float, bits: float) -> str:
     return f"absmax {absmax:.4g}, {bits:+.1f} bits"
 
 
+def lowest_rank_steps(steps: pd.DataFrame) -> tuple[pd.DataFrame, int | None]:
+    """``steps`` of the lowest rank and that rank when the table holds several ranks (a merged trace: loss and
+    loss scale are per rank), else ``(steps, None)``."""
+    if "rank" not in steps.columns or not len(steps) or steps["rank"].nunique() < 2:
+        return steps, None
+    low = int(steps["rank"].min())
+    return steps[steps["rank"].to_numpy() == low].reset_index(drop=True), low
+
+
 def _summary(tr: Trace) -> dict[str, Any]:
     rec = tr.records
     st = tr.steps
     dtypes = rec["dtype"].astype(str).value_counts().to_dict() if len(rec) else {}
-    skipped = int(st["skipped"].fillna(False).sum()) if len(st) else 0
+    # a merged trace has a row per step and rank: count each step once (skipped when any rank skipped it)
+    skipped = int(st.loc[st["skipped"].fillna(False).astype(bool), "step"].nunique()) if len(st) else 0
     return {
-        "steps": int(st["step"].nunique()) if len(st) else 0,  # a merged trace has a row per step and rank
+        "steps": int(st["step"].nunique()) if len(st) else 0,
         "records": len(rec),
         "dtypes": dtypes,
         "skipped": skipped,

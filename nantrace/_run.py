@@ -2,8 +2,9 @@
 
 How the script is found and traced, without changing it:
 
-* The script runs as ``python script.py args`` would run it: :func:`runpy.run_path` with ``run_name="__main__"``,
-  ``sys.argv = [script, *args]`` and ``sys.path[0]`` = the script's directory (both restored afterwards).
+* The script runs as ``python script.py args`` would run it: compiled and executed in a fresh ``__main__`` module
+  (``__name__ == "__main__"``, ``__file__`` its absolute path), with ``sys.argv = [script, *args]`` (``argv[0]``
+  as typed) and ``sys.path[0]`` = the script's directory (all restored afterwards).
 * Global module hooks (``torch.nn.modules.module.register_module_forward_pre_hook`` / ``..._forward_hook``)
   watch every module call. A *root* is a module that has parameters and is called while no other module is
   running (outside backward). Each root gets its own :class:`~nantrace.Trace`, created and entered at its first
@@ -36,15 +37,20 @@ prints it), 130 for Ctrl-C. Under ``torchrun -m nantrace run`` each rank saves i
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
+import importlib.machinery
 import inspect
+import io
 import os
 import runpy
 import sys
 import traceback
+import types
 import warnings
 import weakref
+import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
@@ -56,6 +62,7 @@ from torch.nn.modules import module as _module
 from torch.optim import optimizer as _optimizer
 from torch.utils.hooks import RemovableHandle
 
+from ._dist import PART_RE
 from ._hooks import in_backward
 from ._trace import _ACTIVE, NantraceError, Trace, _compile_filter
 
@@ -217,9 +224,22 @@ class _Session:
             )
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self.depth == 0 and module not in _ACTIVE and module not in self.handled and not in_backward():
-            self._guard(self._maybe_root, module, args, _caller_kwargs())
+        if self.depth == 0 and module not in self.handled and not in_backward():
+            if module not in _ACTIVE:
+                self._guard(self._maybe_root, module, args, _caller_kwargs())
+            elif all(_ACTIVE.get(module) is not tr for _, tr in self.traces):
+                self._guard(self._self_traced, module)
         self.depth += 1
+
+    def _self_traced(self, module: nn.Module) -> None:
+        """A top-level module call traced by a ``nantrace.trace()`` of the script itself: noted once, and the
+        module is never traced by this run (two traces cannot hook one model)."""
+        self.handled.add(module)
+        self.notes.append(
+            f"`{self._name(module)}` ({type(module).__name__}) was not traced: the script traces its own model "
+            "with nantrace.trace(), which `nantrace run` does not support. Run the script with plain `python` and "
+            "save its trace there with Trace.save, or remove its nantrace.trace() call."
+        )
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         self.depth = max(0, self.depth - 1)
@@ -374,13 +394,43 @@ def _print_exception(e: BaseException, script: str) -> None:
     traceback.print_exception(type(e), e, tb if tb is not None else e.__traceback__, file=sys.stderr)
 
 
+def _run_main(full: str) -> None:
+    """Run the script at the absolute path ``full`` as python runs ``python script``: compiled from its bytes
+    (PEP 263 encoding line honoured) and executed in a fresh ``__main__`` module that replaces
+    ``sys.modules["__main__"]`` meanwhile, with ``__file__`` = ``full``. A zip archive goes through
+    :func:`runpy.run_path` (it finds the ``__main__.py`` inside)."""
+    if zipfile.is_zipfile(full):
+        argv0 = sys.argv[0]
+        runpy.run_path(full, run_name="__main__")  # sets sys.argv[0] = full while it runs
+        sys.argv[0] = argv0
+        return
+    with io.open_code(full) as f:
+        code = compile(f.read(), full, "exec")
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __file__=full,
+        __cached__=None,
+        __package__=None,
+        __spec__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", full),
+        __builtins__=builtins,
+    )
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+
+
 def _exec(script: str, args: Sequence[str]) -> int:
     saved_argv, saved_path = sys.argv, list(sys.path)
     full = os.path.abspath(script)  # Python runs a script under its absolute path (its __file__)
-    sys.argv = [script, *args]
+    sys.argv = [script, *args]  # argv[0] as typed, as python leaves it (runpy would make it absolute)
     sys.path[0] = os.path.dirname(full)
     try:
-        runpy.run_path(full, run_name="__main__")
+        _run_main(full)
         return 0
     except SystemExit as e:
         code = e.code
@@ -478,4 +528,6 @@ def print_run_report(result: RunResult, file: TextIO) -> None:
         print(f"nantrace run: {note}", file=file)
     if result.paths:
         first = next(iter(result.paths.values()))
+        if PART_RE.match(first.name):  # under torchrun: the folder all ranks saved into, merged by load
+            first = first.parent
         print(f"\nread it back with: nantrace report {first}", file=file)

@@ -143,7 +143,7 @@ def _stream_schema() -> Any:
 
 def canonical_records(df: pd.DataFrame) -> pd.DataFrame:
     """Records read from a file in the recorder's dtypes: categorical text columns (categories in order of
-    first appearance, pandas' default string dtype) and the smallest integer dtypes. Files written before the
+    first appearance, pandas' default string dtype) and int64 integer columns. Files written before the
     ``rank``/``reduced`` columns existed read as rank 0, not reduced."""
     if "rank" not in df.columns:
         df["rank"] = 0
@@ -165,7 +165,18 @@ def canonical_records(df: pd.DataFrame) -> pd.DataFrame:
         df[name] = pd.Categorical.from_codes(codes, categories=category_index(values), validate=False)
     ints = ("step", "micro_step", "seq", "call", "n_nan", "n_posinf", "n_neginf", "n_zero", "event", "rank")
     for name in ints:
-        df[name] = _smallest_int(df[name].to_numpy().astype(np.int64))
+        df[name] = df[name].to_numpy().astype(np.int64)
+    return df
+
+
+def canonical_steps(df: pd.DataFrame) -> pd.DataFrame:
+    """``steps`` read from a file with the integer columns as :meth:`Store.steps` makes them: int64
+    (``growth_tracker`` nullable Int64); files written before these were int64 held int32."""
+    for name in ("step", "n_nonfinite", "micro_steps", "n_records", "rank"):
+        if name in df.columns:
+            df[name] = df[name].astype("int64")
+    if "growth_tracker" in df.columns:
+        df["growth_tracker"] = df["growth_tracker"].astype("Int64")
     return df
 
 
@@ -478,8 +489,8 @@ class Store:
         return self._records
 
     def _frame(self, chunks: list[dict[str, np.ndarray]], *, plain: bool) -> pd.DataFrame:
-        """Rows of ``chunks`` as a DataFrame: categoricals and smallest ints, or (``plain``) strings and the
-        fixed dtypes of the stream file's schema."""
+        """Rows of ``chunks`` as a DataFrame: categoricals and int64 integer columns (the chunks keep the
+        smallest int dtypes), or (``plain``) strings and the fixed dtypes of the stream file's schema."""
         if chunks:
             keys = chunks[0].keys()
             cat = {k: np.concatenate([c[k] for c in chunks]) for k in keys}
@@ -494,7 +505,8 @@ class Store:
             return pd.Categorical.from_codes(codes, categories=category_index(values), validate=False)
 
         def integer(a: np.ndarray, fixed: Any) -> np.ndarray:
-            return a.astype(fixed) if plain else _smallest_int(a.astype(np.int64))
+            # users get int64 (no wrap-around in arithmetic); the stream file keeps its schema's dtypes
+            return a.astype(fixed if plain else np.int64)
 
         data: dict[str, Any] = {
             "step": integer(cat["step"], np.int64),
@@ -516,9 +528,7 @@ class Store:
         data["parent"] = categorical(cat["parent"], self.modules.values)
         data["arg"] = categorical(cat["arg"], self.args.values)
         data["event"] = integer(cat["event"], np.int64)
-        data["rank"] = np.full(len(data["step"]), self.rank, dtype=np.int64 if plain else np.int32)
-        if not plain:
-            data["rank"] = _smallest_int(data["rank"])
+        data["rank"] = np.full(len(data["step"]), self.rank, dtype=np.int64)
         data["reduced"] = cat["reduced"].astype(bool)
         return pd.DataFrame(data, columns=list(RECORD_COLUMNS))
 
@@ -535,18 +545,18 @@ class Store:
         rows = list(self.step_rows)
         df = pd.DataFrame(
             {
-                "step": pd.array([r["step"] for r in rows], dtype="int32"),
+                "step": pd.array([r["step"] for r in rows], dtype="int64"),
                 "loss": np.array([r["loss"] for r in rows], dtype=np.float64),
                 "scale": np.array([r["scale"] for r in rows], dtype=np.float64),
                 "next_scale": np.array([r["next_scale"] for r in rows], dtype=np.float64),
                 "skipped": pd.array([r["skipped"] for r in rows], dtype="boolean"),
-                "growth_tracker": pd.array([r["growth_tracker"] for r in rows], dtype="Int32"),
+                "growth_tracker": pd.array([r["growth_tracker"] for r in rows], dtype="Int64"),
                 "lr": np.array([r["lr"] for r in rows], dtype=np.float64),
                 "grad_norm": np.array([r["grad_norm"] for r in rows], dtype=np.float64),
-                "n_nonfinite": pd.array([r["n_nonfinite"] for r in rows], dtype="int32"),
-                "micro_steps": pd.array([r["micro_steps"] for r in rows], dtype="int32"),
+                "n_nonfinite": pd.array([r["n_nonfinite"] for r in rows], dtype="int64"),
+                "micro_steps": pd.array([r["micro_steps"] for r in rows], dtype="int64"),
                 "n_records": pd.array([r["n_records"] for r in rows], dtype="int64"),
-                "rank": pd.array([r["rank"] for r in rows], dtype="int32"),
+                "rank": pd.array([r["rank"] for r in rows], dtype="int64"),
             },
             columns=list(STEP_COLUMNS),
         )

@@ -12,12 +12,17 @@ What is written (``P`` is ``tag_prefix``, default ``"nantrace"``; ``global_step`
 
 Non-finite values are never dropped. TensorBoard's charts do not draw NaN or ±inf points, so each value that can
 be non-finite has a companion marker series, written at every step the value is written:
-``P/nonfinite/loss``, ``P/nonfinite/loss_scale``, ``P/nonfinite/grad_norm`` and ``P/nonfinite/absmax/<module>``
-hold 1.0 at a step where the value was NaN or ±inf (for a module: its outputs held NaN or ±inf) and 0.0 otherwise,
-so a fault shows as a spike. The value itself is written as it is (NaN, +inf or -inf), so a program reading the
-event file sees the truth. A module whose outputs held ±inf gets ``absmax = +inf`` and ``headroom_bits = -inf``
-(as in :func:`nantrace._report.headroom_table`); with NaN only, ``absmax`` is over the finite values.
-``headroom_bits`` is not written where absmax is 0 (an all-zero output has no defined headroom) or NaN.
+``P/nonfinite/loss``, ``P/nonfinite/loss_scale`` and ``P/nonfinite/grad_norm`` hold 1.0 at a step where that
+value was NaN or ±inf and 0.0 otherwise, so a fault shows as a spike. ``P/nonfinite/absmax/<module>`` is *not* a
+marker of the absmax value: it is 1.0 at a step where the module's outputs held NaN or ±inf, else 0.0. The values
+themselves are written as they are (NaN, +inf or -inf), so a program reading the event file sees the truth:
+``absmax/<module>`` is +inf where the outputs held ±inf, else the absmax of their finite values (NaN elements
+never raise it: outputs holding NaN only show a finite absmax with the marker at 1.0, or NaN when no value was
+finite); ``headroom_bits/<module>`` is -inf where absmax is +inf (as in :func:`nantrace._report.headroom_table`)
+and is not written where absmax is 0 (an all-zero output has no defined headroom) or NaN.
+
+Each export to a directory adds a new event file (a writer given in is written to as it is): exporting the same
+trace twice into one directory makes TensorBoard show every point twice. Use a new directory per export.
 
 Values the run could not know are not written at all (no GradScaler: no ``loss_scale``/``skipped``; no loss seen:
 no ``loss``; no gradient recorded: no ``grad_norm``). A NaN counts as a recorded NaN, not as unknown, when the

@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._hooks import Recorder, eager
-from ._locate import Overflow, locate, mask_named, mask_rows, overflows
-from ._store import PHASES, Store
+from ._locate import FEATURES, Overflow, locate, mask_named, mask_rows, overflows
+from ._store import PHASES, Store, canonical_steps
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -123,10 +123,73 @@ def _compile_filter(modules: ModuleFilter | None) -> Callable[[str, nn.Module], 
     return keep
 
 
+def check_trace_options(
+    *,
+    modules: ModuleFilter | None = None,
+    phases: Iterable[str] | None = None,
+    sync_free: bool | None = None,
+    drill: bool = True,
+    every: int = 1,
+    flush_every: int = 100,
+    live_every: int | None = None,
+) -> frozenset[str]:
+    """Check the options of :func:`nantrace.trace` that do not need the model; the one place they are checked
+    (``Trace.__init__`` and the framework callbacks' constructors call it). Returns the set of phases to record.
+
+    ``modules`` is checked for its type only here (whether it matches a module needs the model).
+
+    Raises:
+        TypeError: ``phases``, ``modules``, ``drill`` or ``sync_free`` has the wrong type.
+        ValueError: an unknown or empty ``phases``, an empty ``modules``, or ``every``/``flush_every``/
+            ``live_every`` not an int ≥ 1.
+    """
+    _compile_filter(modules)
+    if phases is None:
+        phase_set = frozenset(PHASES)
+    else:
+        if isinstance(phases, str):  # "forward" or a comma-separated list, as the CLI takes it
+            phases = [p.strip() for p in phases.split(",")] if "," in phases else [phases]
+        if not isinstance(phases, (list, tuple, set, frozenset)):
+            raise TypeError(
+                f"phases= must be a phase name or a list of them, from {list(PHASES)}; got {phases!r}"
+            )
+        phase_set = frozenset(phases)
+        unknown = sorted(repr(p) for p in phase_set - set(PHASES))
+        if unknown:
+            raise ValueError(f"phases= has unknown phase(s) {', '.join(unknown)}; choose from {list(PHASES)}")
+        if not phase_set:
+            raise ValueError(
+                "phases= is empty, so nothing would be recorded; pass None to record every phase, "
+                f"or some of {list(PHASES)}"
+            )
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(
+            f"every must be an int ≥ 1 (record full statistics every N-th step); got {every!r}. "
+            "Use every=1 to record every step."
+        )
+    if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
+        raise ValueError(
+            f"flush_every must be an int ≥ 1 (steps kept in memory between writes); got {flush_every!r}"
+        )
+    if live_every is not None and (
+        isinstance(live_every, bool) or not isinstance(live_every, int) or live_every < 1
+    ):
+        raise ValueError(
+            f"live_every must be None (off) or an int ≥ 1 (check every N-th step across ranks); "
+            f"got {live_every!r}"
+        )
+    if not isinstance(drill, bool):
+        raise TypeError(f"drill must be True or False; got {drill!r}")
+    if sync_free is not None and not isinstance(sync_free, bool):
+        raise TypeError(f"sync_free must be True, False or None; got {sync_free!r}")
+    return phase_set
+
+
 def _chunk_mask(chunk: dict[str, np.ndarray], store: Store) -> np.ndarray:
     tnames = np.array([mask_named(v) for v in store.tensors.values] + [False], dtype=bool)
     anames = np.array([mask_named(v) for v in store.args.values] + [False], dtype=bool)
     named = tnames[chunk["tensor"]] | anames[chunk["arg"]]  # code -1 picks the trailing False
+    feats = np.array([v == FEATURES for v in store.tensors.values] + [False], dtype=bool)
     phase = chunk["phase"]
     return mask_rows(
         chunk["n_nan"],
@@ -136,6 +199,7 @@ def _chunk_mask(chunk: dict[str, np.ndarray], store: Store) -> np.ndarray:
         chunk["numel"],
         (phase == PHASES.index("data")) | (phase == PHASES.index("forward")),
         named,
+        (phase == PHASES.index("data")) & feats[chunk["tensor"]],
     )
 
 
@@ -178,42 +242,14 @@ class Trace:
                 f"optimizer must be a torch.optim.Optimizer (or None); got {type(optimizer).__name__}. "
                 "Pass the optimizer your loop calls step() on."
             )
-        if phases is None:
-            phase_set = frozenset(PHASES)
-        else:
-            if isinstance(phases, str):
-                phases = [phases]
-            if not isinstance(phases, (list, tuple, set, frozenset)):
-                raise TypeError(
-                    f"phases= must be a phase name or a list of them, from {list(PHASES)}; got {phases!r}"
-                )
-            phase_set = frozenset(phases)
-            unknown = sorted(repr(p) for p in phase_set - set(PHASES))
-            if unknown:
-                raise ValueError(
-                    f"phases= has unknown phase(s) {', '.join(unknown)}; choose from {list(PHASES)}"
-                )
-            if not phase_set:
-                raise ValueError(
-                    "phases= is empty, so nothing would be recorded; pass None to record every phase, "
-                    f"or some of {list(PHASES)}"
-                )
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(
-                f"every must be an int ≥ 1 (record full statistics every N-th step); got {every!r}. "
-                "Use every=1 to record every step."
-            )
-        if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
-            raise ValueError(
-                f"flush_every must be an int ≥ 1 (steps kept in memory between writes); got {flush_every!r}"
-            )
-        if live_every is not None and (
-            isinstance(live_every, bool) or not isinstance(live_every, int) or live_every < 1
-        ):
-            raise ValueError(
-                f"live_every must be None (off) or an int ≥ 1 (check every N-th step across ranks); "
-                f"got {live_every!r}"
-            )
+        phase_set = check_trace_options(
+            phases=phases,
+            every=every,
+            sync_free=sync_free,
+            drill=drill,
+            flush_every=flush_every,
+            live_every=live_every,
+        )
         from ._dist import process_group
 
         self._rank, self._world_size = process_group()
@@ -226,10 +262,6 @@ class Trace:
             from ._io import _check_target
 
             stream_path = _check_target(path)
-        if not isinstance(drill, bool):
-            raise TypeError(f"drill must be True or False; got {drill!r}")
-        if sync_free is not None and not isinstance(sync_free, bool):
-            raise TypeError(f"sync_free must be True, False or None; got {sync_free!r}")
         keep = _compile_filter(modules)
         named = module_names(model)
         selected = [(n, m) for n, m in named if keep(n, m)]
@@ -271,6 +303,11 @@ class Trace:
         self._closed = False
         self._manual_steps = False
         self._read_only = False
+        self._run_id: str | None = None
+        if self._world_size > 1:  # a collective: every rank creates its trace (see nantrace._dist)
+            from ._dist import shared_run_id
+
+            self._run_id = shared_run_id()
         self.header: dict[str, Any] = {}
         self.options: dict[str, Any] = {
             "modules": None if modules is None else repr(modules),
@@ -351,6 +388,7 @@ class Trace:
                 is_root=m is self._root,
                 step_each_forward=self._step_each_forward,
                 on_step=self._end_step,
+                training=self._training,
             )
             self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
             self._handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
@@ -540,6 +578,10 @@ class Trace:
     def _step_each_forward(self) -> bool:
         return self._scaler is None and self._optimizer is None and not self._manual_steps
 
+    def _training(self) -> bool:
+        """A training trace (it has a GradScaler or an optimizer): its no-grad root forwards are evaluation."""
+        return self._scaler is not None or self._optimizer is not None
+
     def _end_step(self) -> None:
         pending = self._rec.pending
         if pending.lr is None and self._optimizer is not None and self._optimizer.param_groups:
@@ -547,6 +589,8 @@ class Trace:
             pending.lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
         n_chunks, closing = len(self._store.chunks), self._rec.step
         self._rec.end_step(_chunk_mask)
+        if self._capture is not None and len(self._store.step_rows) > 0:  # a named capture's fallback call
+            self._capture.end_step(self._store.step_rows.cols["n_nonfinite"][-1] > 0)
         self._reduced_done = False
         if self._live is not None:
             self._live.after_step(self._store, n_chunks, closing, self._exiting)
@@ -557,12 +601,14 @@ class Trace:
         cls, records: pd.DataFrame, steps: pd.DataFrame, ops: pd.DataFrame, header: dict[str, Any]
     ) -> Trace:
         tr = cls.__new__(cls)
+        steps = canonical_steps(steps)
         tr._store = _FrozenStore(records, steps, ops)  # type: ignore[assignment]
         tr._model_class = str(header.get("model_class", "?"))
         tr.options = dict(header.get("options", {}))
         tr.header = dict(header)
         tr._rank = header.get("rank", 0)
         tr._world_size = int(header.get("world_size", 1) or 1)
+        tr._run_id = header.get("run_id")
         tr._live = None
         tr._capture = None
         tr._read_only = True
@@ -574,7 +620,7 @@ class Trace:
         return tr
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the trace to ``path`` as one parquet file (pyarrow), atomically.
+        """Write the trace to ``path`` (``~`` is expanded) as one parquet file (pyarrow), atomically.
 
         The file holds ``records`` as the table, and ``steps``, ``ops`` and a header (format version, nantrace,
         torch and python versions, model class, dtypes, the arguments of ``trace``) as metadata. The write goes
@@ -632,7 +678,15 @@ class Trace:
         """One row per recorded tensor (see README "records columns"); steps closed so far.
 
         With ``trace(path=...)``, inside ``with`` this holds the steps not yet written to the file (at most
-        ``flush_every``); after exit it is the whole run, read back from the file."""
+        ``flush_every``); after exit it is the whole run, read back from the file.
+
+        Each access returns a new copy (cheap under pandas Copy-on-Write, a deep copy with pandas 2 without it):
+        changing the returned frame, also in place, never changes the trace or what its locator finds. The same
+        holds for :attr:`steps` and :attr:`ops`."""
+        return _served(self._records_frame())
+
+    def _records_frame(self) -> pd.DataFrame:
+        """``records`` as held (not a copy): for nantrace's own reads, which never change it."""
         if self._stream_path is not None and self._closed and not self._read_only:
             if self._stream_records is None:
                 from ._io import read_records
@@ -644,8 +698,24 @@ class Trace:
     @property
     def steps(self) -> pd.DataFrame:
         """One row per closed step: ``step, loss, scale, next_scale, skipped, growth_tracker, lr, grad_norm,
-        n_nonfinite`` (plus ``micro_steps, n_records``)."""
-        return self._store.steps()
+        n_nonfinite`` (plus ``micro_steps, n_records``); a new copy on each access, as :attr:`records`."""
+        return _served(self._store.steps())
+
+    def _builtin(self) -> Callable[[str], bool | None] | None:
+        """For the locator's hunt hint: whether the module of a reported name runs torch's own ``forward``,
+        judged on the live model (``None`` for a loaded trace or a model that is gone: the class-name rule)."""
+        model = None if self._read_only else self._model_ref()
+        if model is None:
+            return None
+        from ._locate import torch_builtin
+
+        by_name = dict(module_names(model))
+
+        def builtin(name: str) -> bool | None:
+            m = by_name.get(name)
+            return None if m is None else torch_builtin(m)
+
+        return builtin
 
     def _hides_submodules_of(self, module: str) -> bool:
         """True when a ``modules=`` filter left a submodule of ``module`` untraced (recording traces only)."""
@@ -662,8 +732,8 @@ class Trace:
     def ops(self) -> pd.DataFrame:
         """Forward drill-down: ``step, micro_step, module, call, op, kind`` for each module call where a
         non-finite kind first appeared in a micro-step, naming the first torch op inside it that made it
-        (found by replaying that call on CPU; empty on the ``sync_free`` path)."""
-        return self._store.ops_frame()
+        (found by replaying that call on CPU; empty on the ``sync_free`` path); a new copy on each access."""
+        return _served(self._store.ops_frame())
 
     def first_overflow(self, kind: str | None = None) -> Overflow | None:
         """The producer of the first non-finite value, or ``None`` if every recorded value was finite.
@@ -674,17 +744,45 @@ class Trace:
         Raises:
             ValueError: ``kind`` is none of those.
         """
-        ov = locate(self.records, kind, self.steps, self.ops, self._world_size)
+        st, ops = self._store.steps(), self._store.ops_frame()
+        ov = locate(self._records_frame(), kind, st, ops, self._world_size, self._builtin())
         if ov is not None and ov.phase in ("forward", "backward") and self._hides_submodules_of(ov.module):
             note = (
                 f" (Only the modules matching modules={self.options['modules']} were traced: an untraced "
                 "submodule inside the reported one may be the real producer.)"
             )
             ov = dataclasses.replace(ov, message=ov.message + note)
-        kept = self._capture.kept if self._capture is not None else None
-        if ov is not None and kept is not None:  # for Overflow.save_repro()
-            ov = dataclasses.replace(ov, _captured=kept)
+        if ov is not None and self._capture is not None:  # for Overflow.save_repro()
+            ov = dataclasses.replace(ov, _captured=self._capture)
         return ov
+
+    def save_repro(self, path: str | os.PathLike[str]) -> Path:
+        """Write a reproducer of the module call captured by ``nantrace.trace(..., capture=...)`` to ``path``
+        (``~`` is expanded), whatever event it is.
+
+        The captured call is the first watched call whose forward produced a non-finite value; with named
+        modules (``capture="gate"``) and no such call, the latest call of a named module in the first step
+        that recorded a non-finite value (a fault that shows in backward only: hunt it with
+        ``nantrace.hunt(lambda: repro.run().sum().backward(), kind="nan")``). ``load_repro(path)`` tells which
+        (``module_name``, ``step``, ``call``, ``kinds``, empty for the second kind). Unlike
+        :meth:`Overflow.save_repro` it does not check that the call is the trace's first overflow. File
+        format and atomic write as in :meth:`Overflow.save_repro`.
+
+        Returns:
+            the path written, as a ``pathlib.Path``.
+
+        Raises:
+            NantraceError: the trace had no ``capture=`` (a loaded trace never has one) or nothing was kept
+                (the message names the watched modules and where the first overflow is), or the module's class
+                cannot be imported back by its path.
+            TypeError / ValueError: ``path`` is not a path, is a directory, or its directory does not exist
+                or is not writable.
+        """
+        from ._repro import captured_call, save_repro
+
+        capture = self._capture
+        first = self.first_overflow() if capture is not None and capture.call is None else None
+        return save_repro(captured_call(capture, first), path)
 
     def overflows(self, kind: str | None = None, *, per_rank: bool = False) -> pd.DataFrame:
         """One row per step that saw a non-finite value, with that step's first producer (``Overflow`` fields
@@ -693,7 +791,15 @@ class Trace:
         Under torch.distributed the producer is the cross-rank one (ordering rule in ``nantrace._dist``);
         ``per_rank=True`` gives one row per (step, rank) instead: each rank's own first non-finite value, with
         ``propagated=True`` where that rank only received it through the gradient reduction."""
-        return overflows(self.records, kind, self.steps, self.ops, self._world_size, per_rank)
+        return overflows(
+            self._records_frame(),
+            kind,
+            self._store.steps(),
+            self._store.ops_frame(),
+            self._world_size,
+            per_rank,
+            self._builtin(),
+        )
 
     @property
     def rank(self) -> int | None:
@@ -739,7 +845,9 @@ class Trace:
     def diagnose(self) -> Diagnosis:
         """Why the run went non-finite, and what to do: a :class:`nantrace.Diagnosis` whose ``cause`` is one of
         ``"data", "forward_overflow", "invalid_op", "loss", "backward_overflow", "scaler_backoff",
-        "loss_scale_collapse", "divergence", "optimizer", "gradient_underflow", "healthy"``, with ``evidence``
+        "loss_scale_collapse", "divergence", "optimizer", "gradient_underflow", "healthy"`` (or, for one rank
+        of a torch.distributed run that only received the value through the gradient reduction,
+        ``"received"``), with ``evidence``
         (strings holding the numbers) and ``advice`` (fixes naming the module, dtype and number)."""
         from ._diagnose import diagnose
 
@@ -765,8 +873,11 @@ class Trace:
         per-module ``absmax/<module>`` and ``headroom_bits/<module>`` (log2(65504 / absmax) of the forward
         outputs) to TensorBoard, with ``tag_prefix/`` in front of every tag and nantrace's step as
         ``global_step``. A NaN/±inf value is written as it is plus a marker series ``nonfinite/<tag>`` that is
-        1.0 at that step (0.0 elsewhere), because TensorBoard's charts do not draw non-finite points. Every tag
-        is listed in ``nantrace._tensorboard``.
+        1.0 at that step (0.0 elsewhere), because TensorBoard's charts do not draw non-finite points; for a
+        module, ``nonfinite/absmax/<module>`` is 1.0 where its outputs held NaN/±inf while ``absmax/<module>``
+        is +inf for ±inf and the finite absmax otherwise (NaN elements never raise it), and ``headroom_bits``
+        is −inf where absmax is +inf. Each call adds a new event file: exporting twice into one directory shows
+        every point twice. Every tag is listed in ``nantrace._tensorboard``.
 
         Args:
             logdir_or_writer: a directory (created if needed; a new event file is written and closed there), or
@@ -797,6 +908,14 @@ class Trace:
         from ._report import trace_html
 
         return trace_html(self)
+
+
+def _served(df: pd.DataFrame) -> pd.DataFrame:
+    """A copy of ``df`` that the caller may change without changing ``df``: shallow under pandas Copy-on-Write
+    (always on from pandas 3; ``pd.options.mode.copy_on_write = True`` in pandas 2), else deep."""
+    if int(pd.__version__.split(".", 1)[0]) >= 3 or pd.get_option("mode.copy_on_write") is True:
+        return df.copy(deep=False)
+    return df.copy()
 
 
 class _FrozenStore:
@@ -851,6 +970,14 @@ def trace(
     loop. Hooks are attached on enter and every one is removed on exit, also when the loop raises (the
     exception propagates unchanged); the trace stays readable afterwards.
 
+    Steps: the boundary is ``scaler.update()``, else ``optimizer.step()``, else ``Trace.step()``, else each call
+    of ``model`` (a root forward). Each root forward inside a step is one micro-step. With a ``scaler`` or an
+    ``optimizer`` (a training trace), a root forward that starts with autograd disabled (``torch.no_grad()``,
+    ``torch.inference_mode()``: evaluation) is not a micro-step and nothing inside it is recorded, since it
+    cannot contribute gradients to the step; trace evaluation separately with ``nantrace.trace(model)``. A root
+    wrapped whole in reentrant activation checkpointing also runs under no_grad and is left out that way (use
+    ``use_reentrant=False``). Without scaler or optimizer every root forward is recorded and starts a step.
+
     Args:
         model: the ``nn.Module`` to trace. Wrapper prefixes (DDP ``module.``, FSDP, checkpoint wrappers,
             ``torch.compile``'s ``_orig_mod.``) are dropped from module names.
@@ -861,7 +988,8 @@ def trace(
         modules: which submodules to hook: a name glob (``"encoder.*"``), an ``nn.Module`` subclass, a callable
             ``(name, module) -> bool``, or a list of these. Default: all. The root always records its inputs
             (phase ``data``) and outputs.
-        phases: which of ``"data", "forward", "loss", "backward", "optimizer"`` to record (default: all).
+        phases: which of ``"data", "forward", "loss", "backward", "optimizer"`` to record (default: all): a
+            list of names, one name, or a comma-separated string (``"data,forward"``, as the CLI takes it).
         sync_free: compute statistics with on-device reductions only, read once per step (the accelerator
             path), also for CPU tensors. Default ``None``: on-device for accelerator tensors, a faster path
             that branches on values for CPU tensors (where reading a value costs no device sync).
@@ -887,18 +1015,26 @@ def trace(
         capture: keep a copy of the inputs of the first module call that produced a non-finite value (its
             output holds NaN/+inf/-inf that its inputs did not; an output holding only 0 and -inf, or named
             ``mask``/``bias``, is a mask), for :meth:`Overflow.save_repro` and :func:`nantrace.load_repro`.
-            ``"first"`` watches every traced module; a qualified module name (or a list of them) watches only
-            those. ``None`` (default): off. Cost: each watched call's inputs are copied
-            (``detach().clone()``) in its forward pre-hook and the copy is dropped when the call returns
-            clean; the forward hook reads whether the output holds a new kind, which is a device sync per
-            watched call on an accelerator (this mode is not sync-free). Once one call is kept (with a copy of
-            the module's ``state_dict`` right after it, its dtype and the autocast state) nothing more is
-            copied. Forward calls only: a fault that appears only in backward is not captured.
+            ``"first"`` (the string) watches every traced module, and is not a module name: a module literally
+            named ``first`` is captured with the list ``["first"]``. A qualified module name (or a list of
+            them) watches only those. ``None`` (default): off. Cost: each watched call's inputs are copied
+            (``detach().clone()``, with their ``requires_grad`` noted) in its forward pre-hook and the copy is
+            dropped when the call returns clean; the forward hook reads whether the output holds a new kind,
+            which is a device sync per watched call on an accelerator (this mode is not sync-free). Once one
+            call is kept (with a copy of the module's ``state_dict`` right after it, its dtype and the autocast
+            state) nothing more is copied. Only forward outputs are checked; for a fault that appears in
+            backward only, name the module: with named modules the latest clean call (inputs and a
+            ``state_dict`` copy per call) is kept too, and frozen at the end of the first step that recorded a
+            non-finite value, so :meth:`Trace.save_repro` can save it and
+            ``nantrace.hunt(lambda: repro.run().sum().backward(), kind="nan")`` names the backward op.
 
     Under an initialised ``torch.distributed`` process group each rank records its own trace (``rank`` in
     ``records``, ``steps`` and ``Overflow``), with ``world_size > 1`` also the parameter gradients after the
     cross-rank reduction (``reduced=True`` rows); ``path=`` and ``Trace.save`` then write this rank's part into
-    a folder at that path. See ``nantrace._dist`` for the cross-rank ordering rule.
+    a folder at that path. See ``nantrace._dist`` for the cross-rank ordering rule. With ``world_size > 1``
+    creating the trace is a collective: rank 0 makes a run id (a uuid) and broadcasts it
+    (``torch.distributed.broadcast_object_list``), so every rank must call ``trace`` (as with the model itself);
+    each part's header keeps it, and ``nantrace.load`` of the folder merges the parts of the newest run only.
 
     Returns:
         the :class:`Trace` (a context manager).

@@ -12,6 +12,7 @@ import datetime as _dt
 import math
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -135,7 +136,8 @@ def _parser() -> argparse.ArgumentParser:
         help="also write TensorBoard scalars to DIR (needs nantrace[tensorboard])",
     )
     ru.add_argument("script", help="the Python script to run")
-    ru.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    rest = ru.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments (optional)")
+    rest.required = False  # argparse counts a REMAINDER positional as required in its error message
     return p
 
 
@@ -183,11 +185,15 @@ def scale_history(steps: pd.DataFrame) -> str:
 
 
 def summary_lines(tr: Any) -> list[str]:
-    st = tr.steps
-    lines = [f"steps: {len(st)}, records: {len(tr.records)}"]
+    from ._report import lowest_rank_steps
+
+    every = tr.steps
+    st, low = lowest_rank_steps(every)  # a merged trace: each step once; loss and scale of the lowest rank
+    of_rank = "" if low is None else f" (rank {low})"
+    lines = [f"steps: {every['step'].nunique() if len(every) else 0}, records: {len(tr.records)}"]
     if len(st):
-        skipped = st.loc[st["skipped"].fillna(False).astype(bool), "step"].tolist()
-        lines.append(f"loss scale: {scale_history(st)}")
+        skipped = sorted(set(every.loc[every["skipped"].fillna(False).astype(bool), "step"].tolist()))
+        lines.append(f"loss scale{of_rank}: {scale_history(st)}")
         lines.append(
             f"skipped steps ({len(skipped)}): {', '.join(map(str, skipped[:30]))}{' …' if len(skipped) > 30 else ''}"
             if skipped
@@ -196,7 +202,7 @@ def summary_lines(tr: Any) -> list[str]:
         loss = st["loss"].to_numpy()
         finite = [v for v in loss if math.isfinite(v)]
         if finite:
-            lines.append(f"loss: first {loss[0]:.4g}, last {loss[-1]:.4g}, min {min(finite):.4g}")
+            lines.append(f"loss{of_rank}: first {loss[0]:.4g}, last {loss[-1]:.4g}, min {min(finite):.4g}")
     return lines
 
 
@@ -228,11 +234,19 @@ def _load(path: Path) -> Any:
     from . import load
     from ._trace import NantraceError
 
-    try:
-        return load(path)
+    try:  # load's warnings (e.g. a missing rank) become clean lines, not raw Python warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tr = load(path)
     except (FileNotFoundError, NantraceError) as e:
         _err(str(e))
         return None
+    for w in caught:
+        if issubclass(w.category, UserWarning):
+            print(f"nantrace: warning: {w.message}", file=sys.stderr)
+        else:  # not one of ours (a library's DeprecationWarning...): shown as Python would
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return tr
 
 
 def _report(path: Path, tensorboard: Path | None = None) -> int:

@@ -488,11 +488,77 @@ def test_healthy_fp32_mlp_and_quiet_growth_is_not_flagged() -> None:
     assert "healthy" in str(d).lower()
 
 
+class _OwnCodeBlock(nn.Module):
+    """An identity Linear, then a multiply in the block's own forward that overflows float16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2, bias=False)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.eye(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * 1e4
+
+
+def test_overflow_in_a_blocks_own_code_is_said_to_be_seen_at_its_own_output() -> None:
+    m = nn.Sequential(_OwnCodeBlock()).half()
+    with nantrace.trace(m) as tr:
+        m(torch.full((1, 2), 10.0, dtype=torch.float16))
+    d = diagnose(tr)
+    assert (d.cause, d.overflow.module if d.overflow else None) == ("forward_overflow", "0")
+    assert d.evidence[1] == (
+        "first seen at `output` of `0` itself, not of a submodule: the overflow is in `0`'s own forward code "
+        "between its submodules (every submodule output before it was finite)"
+    )
+
+
+def _shared_scaler_run(phases: list[str] | None = None) -> Trace:
+    """G traced; the optimizer also steps ``extra``, a parameter outside G whose gradient is +inf at steps 1-2
+    (as a discriminator sharing the GradScaler would overflow): the scaler skips steps 1 and 2."""
+    torch.manual_seed(0)
+    g = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    extra = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([*g.parameters(), extra], lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    with nantrace.trace(g, scaler=scaler, optimizer=opt, phases=phases) as tr:
+        for step in range(4):
+            opt.zero_grad()
+            scaler.scale(g(torch.ones(1, 2)).sum()).backward()
+            extra.grad = torch.full((1,), math.inf if step in (1, 2) else 0.0)
+            scaler.step(opt)
+            scaler.update()
+    return tr
+
+
+def test_scaler_skips_with_no_nonfinite_value_in_the_model_are_not_blamed_on_it() -> None:
+    tr = _shared_scaler_run()
+    assert tr.steps["skipped"].tolist() == [False, True, True, False]
+    assert tr.first_overflow() is None
+    d = diagnose(tr)
+    assert (d.cause, d.overflow, d.ok) == ("scaler_backoff", None, True)
+    assert d.summary == (
+        "The GradScaler skipped 2 step(s), but this model's gradients stayed finite: the overflow came from "
+        "outside the traced model (e.g. another model sharing the GradScaler)."
+    )
+    assert d.evidence[:2] == [
+        "no value recorded in this model's forward, loss or backward held inf/NaN, at the skipped steps 1–2 or "
+        "any other (the backward of every module and parameter was traced)",
+        "so the non-finite gradients the scaler found were outside the traced model: another model sharing the "
+        "GradScaler (e.g. a GAN's discriminator), or parameters the optimizer steps that are not in it",
+    ]
+    assert d.advice[0].startswith("Nothing to fix in this model.")
+    # without the backward recorded nothing proves the gradients finite: not this rule
+    assert "outside the traced model" not in diagnose(_shared_scaler_run(["forward"])).summary
+
+
 def test_every_cause_is_covered_above() -> None:
     import inspect
     import sys
 
     src = inspect.getsource(sys.modules[__name__])
+    # "received" needs the reduced gradients of a process group: tests/test_distributed.py covers it
+    src += (Path(__file__).parent / "test_distributed.py").read_text()
     for cause in CAUSES:
         assert f'"{cause}"' in src
 

@@ -253,6 +253,27 @@ def test_bad_arguments(tmp_path: Path) -> None:
         fit(tmp_path, NanTraceCallback(root="model"), Regressor())
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            {"every": 0},
+            ValueError,
+            r"every must be an int ≥ 1 \(record full statistics every N-th step\); got 0",
+        ),
+        ({"phases": ["fwd"]}, ValueError, r"phases= has unknown phase\(s\) 'fwd'; choose from \['data'"),
+        ({"modules": 3}, TypeError, r"modules= must be a name glob \(str\).*; got int: 3"),
+        ({"drill": "yes"}, TypeError, r"drill must be True or False; got 'yes'"),
+        ({"sync_free": 1}, TypeError, r"sync_free must be True, False or None; got 1"),
+    ],
+)
+def test_trace_options_are_checked_when_the_callback_is_made(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        NanTraceCallback(**kwargs)
+
+
 def test_importing_nantrace_imports_no_lightning_and_a_missing_one_says_what_to_install() -> None:
     code = (
         "import sys, nantrace, nantrace.integrations\n"

@@ -194,6 +194,39 @@ def test_records_and_steps_columns_in_design_order() -> None:
         assert g["seq"].is_monotonic_increasing
 
 
+INT64_RECORD_COLUMNS = [
+    "step",
+    "micro_step",
+    "seq",
+    "call",
+    "numel",
+    "n_nan",
+    "n_posinf",
+    "n_neginf",
+    "n_zero",
+]
+
+
+def test_integer_columns_are_int64_live_and_loaded(tmp_path: Any) -> None:
+    """Users' arithmetic on records must not wrap: every integer column is int64 (the store keeps small ints)."""
+    m = TwoLayer()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with nantrace.trace(m, optimizer=opt) as tr:
+        for _ in range(2):
+            m(torch.ones(2, 3)).sum().backward()
+            opt.step()
+    loaded = nantrace.load(tr.save(tmp_path / "t.nantrace"))
+    for t in (tr, loaded):
+        rec, steps = t.records, t.steps
+        for col in [*INT64_RECORD_COLUMNS, "event", "rank"]:
+            assert rec[col].dtype == np.dtype("int64"), col
+        for col in ("step", "n_nonfinite", "micro_steps", "n_records", "rank"):
+            assert steps[col].dtype == np.dtype("int64"), col
+        assert int((rec["seq"] * 10).max()) == 10 * int(rec["seq"].max())
+        assert (rec["step"] + 1000).tolist()[-1] == 1001
+        assert (steps["step"] + 2**40).tolist() == [2**40, 2**40 + 1]
+
+
 def test_empty_trace_has_the_columns_and_warns() -> None:
     m = TwoLayer()
     with (
@@ -555,12 +588,14 @@ def test_scaler_update_is_the_boundary_and_a_skipped_step_is_a_step() -> None:
             for k in range(2):
                 scaler.scale(m(_x(2 * s + k)).sum() * f).backward()
             scaler.step(opt)
-            with torch.no_grad():  # after optimizer.step(), before scaler.update(): still the same step
+            with torch.no_grad():  # after optimizer.step(), before scaler.update(): evaluation, not recorded
                 m(_x(-1))
+            m(_x(-2))  # a forward with grad on before update(): still the same step
             scaler.update()
             opt.zero_grad()
     data = select(tr.records, phase="data")
     assert pairs(data) == [(s, k) for s in range(3) for k in range(3)]
+    assert [float(v) for v in data["max"]] == [v for s in range(3) for v in (2 * s, 2 * s + 1, -2)]
     assert tr.steps["skipped"].tolist() == [True, False, False]
     assert tr.steps["step"].tolist() == [0, 1, 2]
     assert tr.steps["micro_steps"].tolist() == [3, 3, 3]
@@ -774,19 +809,73 @@ def test_outputs_not_requiring_grad() -> None:
 
 @pytest.mark.parametrize("ctx", [torch.no_grad, torch.inference_mode])
 def test_no_grad_and_inference_mode_give_no_backward_rows(ctx: Callable[[], Any]) -> None:
+    """Without scaler or optimizer each root forward is a step, also under no_grad: data and forward rows."""
     m = LinReLU()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    with nantrace.trace(m, optimizer=opt) as tr:
+    with nantrace.trace(m) as tr:
         with ctx():
             for _ in range(2):
                 m(torch.ones(2, 3))
-        m(torch.ones(2, 3)).sum().backward()  # training still works afterwards
-        opt.step()
+        m(torch.ones(2, 3)).sum().backward()
     rec = tr.records
-    evals = select(rec, micro_step=0)
-    assert set(evals["phase"]) == {"data", "forward"}
-    assert set(select(rec, micro_step=2)["phase"]) == {"data", "forward", "loss", "backward", "optimizer"}
-    assert pairs(select(rec, phase="data")) == [(0, 0), (0, 1), (0, 2)]
+    assert list(tr.steps["step"]) == [0, 1, 2]
+    assert set(select(rec, step=0)["phase"]) == {"data", "forward"}
+    assert set(select(rec, step=1)["phase"]) == {"data", "forward"}
+    assert set(select(rec, step=2)["phase"]) == {"data", "forward", "loss", "backward"}
+
+
+def _eval_batches(m: nn.Module, ctx: Callable[[], Any], nan_last: bool = True) -> None:
+    m.eval()
+    with ctx():
+        for k in range(3):
+            x = torch.ones(2, 3)
+            if nan_last and k == 2:
+                x[0, 0] = float("nan")
+            m(x)
+    m.train()
+
+
+@pytest.mark.parametrize("ctx", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("with_scaler", [False, True])
+def test_evaluation_forwards_of_a_training_trace_are_not_micro_steps(
+    ctx: Callable[[], Any], with_scaler: bool
+) -> None:
+    """With an optimizer (or a GradScaler) a root forward under no_grad/inference_mode is evaluation: it is
+    not recorded, so the NaN of an eval batch is not a training step's data and no step is invented after
+    the last optimizer step."""
+    m = LinReLU()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0) if with_scaler else None
+    with nantrace.trace(m, optimizer=opt, scaler=scaler) as tr:
+        for _ in range(2):
+            loss = m(torch.ones(2, 3)).sum()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            opt.zero_grad()
+            _eval_batches(m, ctx)  # after step 0, and after the last optimizer step
+    assert tr.steps["step"].tolist() == [0, 1]
+    assert tr.steps["micro_steps"].tolist() == [1, 1]
+    assert tr.steps["n_nonfinite"].tolist() == [0, 0]
+    assert tr.first_overflow() is None
+    rec = tr.records
+    assert pairs(select(rec, phase="data")) == [(0, 0), (1, 0)]
+    assert len(rec) == 2 * len(select(rec, step=0))
+
+
+def test_grad_enabled_forward_under_eval_mode_is_still_a_micro_step() -> None:
+    """The rule reads autograd, not ``module.training``: an eval-mode forward with grad on is a micro-step."""
+    m = LinReLU()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with nantrace.trace(m, optimizer=opt) as tr:
+        m.eval()
+        m(torch.ones(2, 3)).sum().backward()
+        m(torch.ones(2, 3)).sum().backward()
+        opt.step()
+    assert tr.steps["micro_steps"].tolist() == [2]
 
 
 class KwCall(nn.Module):

@@ -486,6 +486,12 @@ def test_under_torchrun_each_rank_saves_its_part(tmp_path: Path) -> None:
     assert "was not traced" not in r.stderr
     part_names = sorted(p.name for p in (tmp_path / "out" / "trace.nantrace").iterdir())
     assert part_names == ["rank-00000-of-00002.nantrace", "rank-00001-of-00002.nantrace"]
+    # every rank's closing hint names the folder all ranks saved to, which load merges, not its own part
+    hint = f"read it back with: nantrace report {tmp_path / 'out' / 'trace.nantrace'}\n"
+    assert (
+        r.stderr.count(hint) == 2
+        and "nantrace report " + str(tmp_path / "out" / "trace.nantrace" / "rank") not in r.stderr
+    )
     tr = nantrace.load(tmp_path / "out" / "trace.nantrace")
     ov = tr.first_overflow()
     assert ov is not None
@@ -493,3 +499,86 @@ def test_under_torchrun_each_rank_saves_its_part(tmp_path: Path) -> None:
     reduced = tr.records[tr.records["reduced"].astype(bool)]
     assert sorted(set(reduced["rank"].tolist())) == [0, 1]
     assert sorted(set(reduced["tensor"].astype(str).tolist())) == ["bias.grad", "weight.grad"]
+
+
+def test_script_globals_match_plain_python(tmp_path: Path) -> None:
+    """argv (argv[0] as typed), __name__, __file__, sys.path[0], __spec__ and pickling by __main__ are what
+    plain ``python`` gives."""
+    _write(
+        tmp_path,
+        """
+        import pickle, sys
+        class Box:
+            pass
+        print(sys.argv, __name__, __file__, sys.path[0], __spec__, sys.modules["__main__"].Box is Box)
+        print(type(pickle.loads(pickle.dumps(Box()))).__name__)
+        """,
+        name="acc.py",
+    )
+    plain = subprocess.run(
+        [sys.executable, "acc.py", "a", "b"], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    traced = subprocess.run(
+        [sys.executable, "-m", "nantrace", "run", "--out", "o", "acc.py", "a", "b"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert plain.returncode == 0 and traced.returncode == 0, traced.stderr
+    expected = f"['acc.py', 'a', 'b'] __main__ {tmp_path / 'acc.py'} {tmp_path} None True\nBox\n"
+    assert plain.stdout == expected
+    assert traced.stdout == expected
+
+
+def test_script_that_traces_itself_is_named_in_the_report(tmp_path: Path) -> None:
+    script = _write(
+        tmp_path,
+        """
+        import torch
+        from torch import nn
+        import nantrace
+        model = nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with nantrace.trace(model, optimizer=opt) as tr:
+            for _ in range(2):
+                model(torch.ones(1, 2)).sum().backward()
+                opt.step()
+        model(torch.ones(1, 2))  # after its own trace ended: still not traced by nantrace run
+        print(len(tr.steps))
+        """,
+    )
+    result = run_script(script, out=tmp_path)
+    assert (result.exit_code, result.traces, result.paths) == (0, {}, {})
+    text = io.StringIO()
+    print_run_report(result, text)
+    assert text.getvalue() == (
+        "\nnantrace run: no model was traced.\n"
+        "nantrace run: `model` (Linear) was not traced: the script traces its own model with nantrace.trace(), "
+        "which `nantrace run` does not support. Run the script with plain `python` and save its trace there "
+        "with Trace.save, or remove its nantrace.trace() call.\n"
+    )
+
+
+def test_no_script_names_only_script_as_required_and_report_of_a_run_folder_suggests_its_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nantrace.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["run"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "nantrace run: error: the following arguments are required: script"
+    )
+    script = _write(tmp_path, PLANTED.format(tail=""))
+    assert run_script(script, ["--lr", "3", "--out", "x"], out=tmp_path).paths == {
+        "model": tmp_path / "trace.nantrace"
+    }
+    capsys.readouterr()
+    assert main(["report", str(tmp_path)]) != 0
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(f"; did you mean {str(tmp_path / 'trace.nantrace')!r} (a `nantrace run` output folder)?")
+    )

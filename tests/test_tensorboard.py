@@ -218,3 +218,24 @@ def test_import_nantrace_imports_no_optional_extra() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def test_nan_only_outputs_keep_a_finite_absmax_and_mark_the_module(tmp_path: Path) -> None:
+    """``nonfinite/absmax/<module>`` marks outputs holding NaN; ``absmax`` stays the finite absmax (3), and
+    headroom is written from it."""
+    model = nn.Sequential(_Scale())  # elementwise: the NaN stays in one element of the output
+    with nantrace.trace(model) as tr:
+        model(torch.tensor([[NAN, 3.0]]))
+    sc = _scalars(tr.to_tensorboard(tmp_path / "tb"))  # type: ignore[arg-type]
+    assert _same(sc["nantrace/absmax/0"], [(0, 3.0)])
+    assert _same(sc["nantrace/nonfinite/absmax/0"], [(0, 1.0)])
+    assert _same(sc["nantrace/headroom_bits/0"], [(0, math.log2(65504 / 3))])

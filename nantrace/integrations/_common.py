@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._trace import NantraceError, Trace, trace
+from .._trace import NantraceError, Trace, check_trace_options, trace
 
 __all__ = [
     "LOG_KEYS",
@@ -40,6 +40,16 @@ class TraceOptions:
     sync_free: bool | None = None
     drill: bool = True
     every: int = 1
+
+    def __post_init__(self) -> None:
+        """Check the options when the callback is made, not at train start (same checks as ``trace()``)."""
+        check_trace_options(
+            modules=self.modules,
+            phases=self.phases,
+            sync_free=self.sync_free,
+            drill=self.drill,
+            every=self.every,
+        )
 
     def trace(
         self,

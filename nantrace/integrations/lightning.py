@@ -66,7 +66,8 @@ class NanTraceCallback(pl.Callback):
         trace_path: where to save the trace; default ``<trainer.log_dir>/trace.nantrace``.
         stop_on_overflow: ``True`` stops training (``trainer.should_stop``) after the first step that held a
             non-finite value (a GradScaler backoff included), after saving the trace; an int ``N`` waits for
-            ``N`` consecutive such steps.
+            ``N`` consecutive such steps. With a default-scale GradScaler (65536, which backs off in the first
+            steps of most fp16 runs) pass ``N`` (e.g. 5), since ``True`` stops at that first benign backoff.
         root: qualified name of the submodule ``training_step`` calls (e.g. ``"model"``); default ``None``,
             the LightningModule itself.
         tensorboard: a directory: when the trace is saved at train end (also after a stop or an error), it
@@ -76,7 +77,8 @@ class NanTraceCallback(pl.Callback):
 
     Raises:
         ImportError: ``tensorboard`` is given but the tensorboard package is not installed.
-        TypeError, ValueError: a bad argument (here, or from :func:`nantrace.trace` at train start).
+        TypeError, ValueError: a bad argument, here (the trace options are checked as :func:`nantrace.trace`
+            checks them; only whether ``modules`` matches a module waits for the model, at train start).
         NantraceError (at train start): ``root`` names no submodule, or the Trainer has no optimizer.
     """
 

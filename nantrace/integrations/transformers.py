@@ -82,7 +82,9 @@ class NanTraceCallback(TrainerCallback):
         trace_path: where to save the trace; default ``<args.output_dir>/trace.nantrace``.
         stop_on_overflow: ``True`` stops training after the first step that held a non-finite value (NaN or
             ±inf anywhere in it, a GradScaler backoff included), after saving the trace and logging that step;
-            an int ``N`` waits for ``N`` consecutive such steps, so a GradScaler can back off first.
+            an int ``N`` waits for ``N`` consecutive such steps, so a GradScaler can back off first. With a
+            default-scale GradScaler (65536, which backs off in the first steps of most fp16 runs) pass ``N``
+            (e.g. 5), since ``True`` stops at that first benign backoff.
         tensorboard: a directory: when the trace is saved at train end (also after a stop, or by
             :meth:`close` after an error), it is also written there for TensorBoard by
             :meth:`nantrace.Trace.to_tensorboard` (tags ``nantrace/...``). Needs the ``tensorboard`` extra,
@@ -91,7 +93,8 @@ class NanTraceCallback(TrainerCallback):
 
     Raises:
         ImportError: ``tensorboard`` is given but the tensorboard package is not installed.
-        TypeError, ValueError: a bad argument (here, or from :func:`nantrace.trace` at train begin).
+        TypeError, ValueError: a bad argument, here (the trace options are checked as :func:`nantrace.trace`
+            checks them; only whether ``modules`` matches a module waits for the model, at train begin).
         NantraceError (at train begin): the Trainer's optimizer holds no ``torch.optim.Optimizer``.
     """
 
