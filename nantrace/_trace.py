@@ -276,8 +276,11 @@ class Trace:
             capture, [named[0][0], *(n for n, _ in selected)], lambda: self._handles
         )
         self._model_ref = weakref.ref(model)
-        self._model_class = type(model).__qualname__
         self._root_name, self._root = named[0]
+        # the unwrapped model's class, as module names drop wrappers; the wrapper is named after it
+        self._model_class = type(self._root).__qualname__
+        if self._root is not model:
+            self._model_class += f" (in {type(model).__qualname__})"
         self._selected = selected
         self._scaler = scaler
         self._optimizer = optimizer
@@ -753,8 +756,22 @@ class Trace:
             )
             ov = dataclasses.replace(ov, message=ov.message + note)
         if ov is not None and self._capture is not None:  # for Overflow.save_repro()
-            ov = dataclasses.replace(ov, _captured=self._capture)
+            ov = dataclasses.replace(ov, _captured=self._capture, message=self._captured_hint(ov))
         return ov
+
+    def _captured_hint(self, ov: Overflow) -> str:
+        """``ov.message``, with the hunt hint's "trace again with capture=..." turned into "this trace captured
+        that call" when the capture holds exactly this overflow's call."""
+        from ._repro import captured_call
+
+        again = f'; or trace again with capture="{ov.module}" and hunt the saved call: '
+        if again not in ov.message:
+            return ov.message
+        try:
+            captured_call(self._capture, ov, for_overflow=True)
+        except NantraceError:
+            return ov.message
+        return ov.message.replace(again, "; this trace captured that call, so hunt it in isolation: ")
 
     def save_repro(self, path: str | os.PathLike[str]) -> Path:
         """Write a reproducer of the module call captured by ``nantrace.trace(..., capture=...)`` to ``path``

@@ -2,7 +2,8 @@
 
 Exit codes: 0 = done and no non-finite value in the trace; 1 = done and the trace holds an overflow (``report``)
 ; 2 = usage error, or the file is not a readable trace; 3 = a needed optional extra (matplotlib, tensorboard) is
-missing. ``run`` exits with the script's own exit code.
+missing; 141 = the reader closed the output pipe early (``nantrace report PATH | head``). ``run`` exits with the
+script's own exit code.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pandas as pd
 __all__ = ["main"]
 
 EXIT_OK, EXIT_OVERFLOW, EXIT_USAGE, EXIT_MISSING_EXTRA = 0, 1, 2, 3
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a reader that closed the pipe early
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Find where and why fp16/bf16 PyTorch training goes NaN.",
         epilog="Exit codes: 0 done (report: no overflow in the trace), 1 report: the trace holds an overflow, "
         "2 usage or file error, 3 an optional extra (matplotlib, tensorboard) is missing. demo and plot exit 0 "
-        "when they complete, whatever the trace holds; run exits with the script's exit code.",
+        "when they complete, whatever the trace holds; 141 the reader closed the output pipe early "
+        "(report PATH | head); run exits with the script's exit code.",
     )
     p.add_argument("--version", action="version", version=f"nantrace {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -144,16 +147,25 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``nantrace`` console script; returns the exit code."""
     args = _parser().parse_args(argv)
-    if args.command == "demo":
-        return _demo(args)
-    if args.command == "report":
-        return _report(args.path, args.tensorboard)
     if args.command == "run":
-        return _run(args)
-    if args.command == "plot":
-        return _plot(args.path, args.output, args.what, args.step)
-    _parser().print_help()
-    return EXIT_USAGE
+        return _run(args)  # the script's own output and exit code, untouched
+    try:
+        if args.command == "demo":
+            rc = _demo(args)
+        elif args.command == "report":
+            rc = _report(args.path, args.tensorboard)
+        elif args.command == "plot":
+            rc = _plot(args.path, args.output, args.what, args.step)
+        else:
+            _parser().print_help()
+            rc = EXIT_USAGE
+        sys.stdout.flush()  # inside the try: a closed pipe shows here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        # the reader went away (`nantrace report PATH | head`): stop quietly, as a process killed by SIGPIPE
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 # ------------------------------------------------------------------------------------------- helpers

@@ -92,3 +92,21 @@ def test_scale_history_and_overflow_runs_are_compact() -> None:
         "  steps 0-1     backward  `head` weight.grad inf",
         "  steps 5-7     forward   `attn` output inf",
     ]
+
+
+def test_report_into_a_closed_pipe_stops_quietly(tmp_path: Path) -> None:
+    """`nantrace report PATH | head`: the reader has closed the pipe; no BrokenPipeError traceback, exit 141."""
+    import subprocess
+    import sys
+
+    path = _saved(tmp_path, True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "nantrace", "report", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()  # closed before the report is written
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == cli.EXIT_BROKEN_PIPE
+    assert "Traceback" not in err and "BrokenPipeError" not in err

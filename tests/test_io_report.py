@@ -193,3 +193,16 @@ def test_healthy_headroom_bits_are_exact() -> None:
     assert hr["module"].tolist() == [""]
     assert hr["absmax"].tolist() == [2048.0]
     assert hr["headroom_bits"].tolist() == [pytest.approx(4.999295387)]  # log2(65504 / 2048)
+
+
+def test_a_wrapped_model_is_named_by_its_own_class_then_the_wrapper(tmp_path: Path) -> None:
+    """Module names drop wrappers, so the report's model line names the unwrapped class first."""
+    inner = nn.Sequential(nn.Linear(2, 2))
+    wrapped = nn.DataParallel(inner)  # no GPU: DataParallel calls the module itself
+    with nantrace.trace(wrapped) as tr:
+        wrapped(torch.ones(1, 2))
+    assert repr(tr).startswith("<nantrace.Trace of Sequential (in DataParallel):")
+    assert (
+        nantrace.load(tr.save(tmp_path / "w.nantrace")).header["model_class"]
+        == "Sequential (in DataParallel)"
+    )

@@ -450,3 +450,31 @@ def test_error_messages_name_the_root_and_the_other_file_kind(
     assert str(e.value).startswith(
         f"{str(tmp_path / 'notes.txt')!r} is not a nantrace reproducer (not a torch.save file)"
     )
+
+
+def test_hunt_hint_of_a_captured_call_says_to_hunt_it_not_to_trace_again(tmp_path: Path) -> None:
+    """C02's residual add (hand-written `block`): with the call already captured, the explanation points to the
+    capture instead of asking for another traced run; without a capture it asks for one."""
+
+    def c02() -> nn.Module:
+        m = C02Model()
+        with torch.no_grad():
+            m.block.fc.weight.copy_(torch.eye(8))
+            m.block.fc.bias.zero_()
+        return m.half()
+
+    x = torch.full((2, 8), 40000.0, dtype=torch.float16)
+    m = c02()
+    with nantrace.trace(m, capture="block") as tr:
+        m(x)
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.phase, ov.module, ov.kind) == ("forward", "block", "inf")
+    assert "; this trace captured that call, so hunt it in isolation: ov.save_repro(path), then " in str(ov)
+    assert "trace again with capture=" not in str(ov)
+    culprit = nantrace.hunt(nantrace.load_repro(ov.save_repro(tmp_path / "block.repro")).run)
+    assert culprit is not None and (culprit.op, culprit.module) == ("aten::add.Tensor", "block")
+
+    m = c02()
+    with nantrace.trace(m) as plain:
+        m(x)
+    assert '; or trace again with capture="block" and hunt the saved call: ' in str(plain.first_overflow())
