@@ -27,7 +27,12 @@ finite. Every other event is a *fault*, classified on the spot:
   a skipped step are left out of these series (their weights did not change).
 * ``loss``: phase ``loss`` (outputs finite; the loss, or the gradient it sends back, is not).
 * ``forward_overflow``: phase ``forward`` and kind inf; or kind NaN made from inputs beyond the output dtype's
-  range (autocast casting a float32 value above 65504 to float16).
+  range (autocast casting a float32 value above 65504 to float16); or kind NaN made from finite inputs by a
+  module whose own float32 parameter is beyond the output dtype's range (autocast's cast of the weight gives
+  inf, then inf·0 or inf−inf). The parameter's absmax is its latest ``optimizer`` row before the event's step;
+  when none shows it, a recording Trace whose GradScaler skipped every step from the event's on (so the
+  optimizer did not change the weights after that forward) reads the live parameter at diagnose time: one
+  ``torch.linalg.vector_norm(p, inf)`` per parameter of that one module (a loaded trace cannot know).
 * ``invalid_op``: kind NaN in ``forward`` (from inputs holding no NaN) or in ``backward`` (from finite gradients).
 * ``backward_overflow``: phase ``backward``, kind inf, not absorbed by a GradScaler (no scaler, or not skipped).
 * ``optimizer``: phase ``optimizer`` (finite gradients, non-finite parameters after ``optimizer.step()``).
@@ -310,6 +315,9 @@ class _Run:
         ops = getattr(trace, "ops", None)
         self.ops: pd.DataFrame = ops if isinstance(ops, pd.DataFrame) else pd.DataFrame()
         self.options: dict[str, Any] = dict(getattr(trace, "options", {}) or {})
+        # the live model of a recording Trace (None when loaded or gone): only _weights_beyond reads it
+        ref = getattr(trace, "_model_ref", None)
+        self.model: Any = ref() if callable(ref) and not getattr(trace, "_read_only", True) else None
         ovs = trace.overflows()
         self.events: list[Overflow] = [_overflow_from_row(r) for r in ovs.to_dict("records")]
         r = self.records
@@ -749,6 +757,67 @@ def _input_beyond_range(run: _Run, ev: Overflow) -> bool:
     return not math.isnan(limit) and _finite_max(_call_inputs(run, ev)) > limit
 
 
+def _live_absmax(run: _Run, module: str, limit: float) -> list[tuple[str, str, float, int]]:
+    """The live model's own parameters of ``module`` whose finite absmax exceeds ``limit`` (dtype wider than the
+    limit's), as :func:`~nantrace._report.weights_beyond` rows with step -1 (unknown). One on-device reduction
+    (``torch.linalg.vector_norm(p, inf)``, no copy of the parameter) and one host read per parameter of that one
+    module, at diagnose time, never in a hook."""
+    import torch
+
+    from ._trace import module_names
+
+    m = dict(module_names(run.model)).get(module) if run.model is not None else None
+    if m is None:
+        return []
+    out: list[tuple[str, str, float, int]] = []
+    with torch.no_grad():
+        for pname, p in m.named_parameters(recurse=False):
+            if (
+                type(p)
+                not in (torch.Tensor, torch.nn.Parameter)  # a DTensor shard: a reduction may be collective
+                or not p.is_floating_point()
+                or p.numel() == 0
+                or p.is_meta
+                or _dtype_max(str(p.dtype).removeprefix("torch.")) <= limit
+            ):
+                continue
+            a = float(torch.linalg.vector_norm(p.detach(), ord=math.inf).item())
+            if math.isfinite(a) and a > limit:
+                out.append((pname, str(p.dtype).removeprefix("torch."), a, -1))
+    return sorted(out, key=lambda t: -t[2])
+
+
+def _weights_beyond(run: _Run, ev: Overflow) -> tuple[list[tuple[str, str, float, int]], bool]:
+    """Own parameters of the event's module whose latest known absmax exceeds the output dtype's max (a float32
+    weight above 65504 that autocast's cast to float16 makes inf), and whether they were read live.
+
+    First the recorded ``optimizer`` rows of steps before the event (:func:`~nantrace._report.weights_beyond`).
+    When none shows it, the live model of a recording Trace is read at diagnose time, but only when the
+    GradScaler skipped every traced step from the event's on and no later ``optimizer`` row of the module was
+    recorded: then ``optimizer.step()`` did not change the weights after that forward inside the trace (a change
+    after the trace ended, or by code other than the optimizer after the event, cannot be seen)."""
+    from ._report import weights_beyond
+
+    dtype = str(ev.dtype)
+    if ev.phase != "forward":
+        return [], False
+    inputs = _call_inputs(run, ev)
+    if len(inputs) and int(inputs[["n_posinf", "n_neginf"]].to_numpy().sum()):
+        return [], False  # an inf its inputs already held explains it (as the locator's explanation says)
+    rec = weights_beyond(run.records, ev.module, ev.step, dtype)
+    if rec:
+        return rec, False
+    limit = _dtype_max(dtype)
+    later = [s for s in run.step_ids if s >= ev.step]
+    if run.model is None or math.isnan(limit) or limit >= _dtype_max("float32") or not later:
+        return [], False
+    if not all(run.skipped.get(s) is True for s in later):
+        return [], False
+    if bool(((run.phase == "optimizer") & (run.module == ev.module) & (run.step >= ev.step)).any()):
+        return [], False
+    return _live_absmax(run, ev.module, limit), True
+
+
 def _own_code(run: _Run, ev: Overflow) -> bool:
     """The non-finite value was made by the module's own forward code, not by a submodule: it was first seen at a
     submodule's input, or the module has recorded submodules (the locator reports a parent only when every
@@ -834,6 +903,33 @@ def _forward_overflow(run: _Run, ev: Overflow) -> Diagnosis:
         )
     if op:
         evidence.append(f"the forward replay names the op: `{op}`")
+    beyond, live = _weights_beyond(run, ev)
+    prefix = f"{ev.module}." if ev.module else ""
+    made = "inf·0 or inf−inf then gives NaN" if ev.kind == "nan" else "and inf times the inputs gives inf"
+    for pname, pdtype, absmax, since in beyond:
+        if live:
+            last = run.records[
+                (run.phase == "optimizer")
+                & (run.module == ev.module)
+                & (run.tensor == pname)
+                & (run.step < ev.step)
+            ].sort_values("step")
+            shown = (
+                f"; its last optimizer row (step {int(last['step'].iloc[-1])}) showed "
+                f"{_g(float(last['absmax'].iloc[-1]))}: it changed outside optimizer.step()"
+                if len(last)
+                else ""
+            )
+            when = (
+                "read from the live model at diagnose time (the GradScaler skipped every step from "
+                f"{ev.step} on, so the optimizer did not change it after that forward){shown}"
+            )
+        else:
+            when = f"it grew past {_g(limit)} at step {since} (optimizer rows)"
+        evidence.append(
+            f"its parameter `{prefix}{pname}` ({pdtype}) has absmax {_g(absmax)}, beyond {dtype}'s {_g(limit)}: "
+            f"autocast's cast of it to {dtype} gives inf, {made}; {when}"
+        )
     prev = run.output_series(ev.module, ev.step)
     if len(prev):
         last = float(prev.iloc[-1])
@@ -842,7 +938,7 @@ def _forward_overflow(run: _Run, ev: Overflow) -> Diagnosis:
             f"its output absmax at step {int(prev.index[-1])} was {_g(last)} ({_g(bits)} bits of headroom)"
         )
     w = run.rows_of(ev.step - 1, "optimizer", module=ev.module) if ev.step > 0 else run.records.iloc[0:0]
-    if len(w):
+    if len(w) and not beyond:
         evidence.append(f"its parameters' absmax after step {ev.step - 1}: {_g(_finite_max(w))}")
     skips = _skips_text(run)
     if skips:
@@ -855,13 +951,27 @@ def _forward_overflow(run: _Run, ev: Overflow) -> Diagnosis:
             f"The op that overflows is in {_name(ev.module)}'s own forward (e.g. a residual add `x + f(x)` of "
             f"values near {_g(in_absmax)}): normalise before it (pre-norm) or compute that op in float32.",
         )
+    if beyond:
+        lr = run.lr.get(beyond[0][3], math.nan)
+        lr_text = f" (lr was {lr:.4g} at step {beyond[0][3]})" if not math.isnan(lr) else ""
+        grown = ", ".join(f"`{prefix}{t[0]}`" for t in beyond)
+        advice[:0] = [
+            f"Keep the weights of {_name(ev.module)} ({grown}) well below {_g(limit)}: a smaller learning rate"
+            f"{lr_text}, weight decay, or gradient clipping (`torch.nn.utils.clip_grad_norm_`, after "
+            "`scaler.unscale_(optimizer)`)."
+            if not live
+            else f"Find what set the weights of {_name(ev.module)} ({grown}) above {_g(limit)} (an in-place edit, "
+            "a checkpoint) and keep them well below it: a smaller learning rate, weight decay, or gradient clipping.",
+        ]
     if "attn" in low or "attention" in low:
         advice.insert(
             0,
             f"Attention scores overflow: scale q·kᵀ by 1/sqrt(head_dim) before the softmax, or use "
             f"`F.scaled_dot_product_attention`, which computes in float32 internally (inputs absmax {_g(in_absmax)}).",
         )
-    elif ev.module_type in ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear") and not own_code:
+    elif (
+        ev.module_type in ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear") and not own_code and not beyond
+    ):
         advice.insert(
             0,
             f"{_name(ev.module)} multiplies inputs of absmax {_g(in_absmax)} into values above {_g(limit)}: "
@@ -871,6 +981,11 @@ def _forward_overflow(run: _Run, ev: Overflow) -> Diagnosis:
         f"{_name(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: "
         f"activations exceeded {_g(limit)} from finite inputs."
     )
+    if beyond:
+        summary = (
+            f"{_name(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: its "
+            f"{beyond[0][1]} weights exceed {_g(limit)}, so autocast's cast to {dtype} made them inf."
+        )
     return Diagnosis("forward_overflow", ev, evidence, advice, summary)
 
 
@@ -903,7 +1018,7 @@ def _invalid_op(run: _Run, ev: Overflow) -> Diagnosis:
         evidence = [
             f"{_name(ev.module)} ({ev.module_type}, call {ev.call}) at step {ev.step} produced NaN in "
             f"`{ev.tensor}` ({dtype}) from inputs holding no NaN (finite absmax {_g(_finite_max(inputs))}, "
-            f"{in_neginf} -inf)"
+            f"{f'{in_neginf} -inf value(s)' if in_neginf else 'no -inf'})"
         ]
         if op:
             evidence.append(f"the forward replay names the op: `{op}`")
@@ -1387,7 +1502,7 @@ def _fault(run: _Run, ev: Overflow) -> Diagnosis:
         masks = _leaked_masks(run, ev)
         if masks is not None:
             return _mask_leak(run, ev, masks)
-        if ev.kind == "inf" or _input_beyond_range(run, ev):
+        if ev.kind == "inf" or _input_beyond_range(run, ev) or _weights_beyond(run, ev)[0]:
             return _forward_overflow(run, ev)
         return _invalid_op(run, ev)
     if ev.phase == "backward":

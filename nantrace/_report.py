@@ -13,7 +13,7 @@ import torch
 if TYPE_CHECKING:
     from ._trace import Trace
 
-__all__ = ["dtype_max", "explain", "headroom_table", "trace_html", "trace_text"]
+__all__ = ["dtype_max", "explain", "headroom_table", "trace_html", "trace_text", "weights_beyond"]
 
 FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
 
@@ -26,6 +26,9 @@ def dtype_max(name: str) -> float:
     return math.nan
 
 
+_MATMUL_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear", "LazyLinear")
+
+
 def _wide(dtype: str) -> bool:
     """True for float32/float64 (a range of at least float32's): moving to float32 cannot help."""
     m = dtype_max(dtype)
@@ -34,6 +37,47 @@ def _wide(dtype: str) -> bool:
 
 def _g(v: float) -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4g}"
+
+
+def weights_beyond(
+    records: pd.DataFrame, module: str, step: int, dtype: str
+) -> list[tuple[str, str, float, int]]:
+    """The parameters of ``module`` (its own, not its submodules') whose latest recorded value before ``step``
+    does not fit ``dtype``: ``(tensor, param dtype, absmax, step it grew past)``, largest absmax first.
+
+    Read from phase ``optimizer`` rows (parameters after ``optimizer.step()``; recorded only with
+    ``optimizer=``): for each parameter its row of the latest step < ``step`` (the value the forward of ``step``
+    used) counts when its finite absmax exceeds ``dtype``'s max while the parameter's own dtype is wider, i.e.
+    a float32 weight above 65504 that autocast casts to float16 (the cast gives inf). The step it grew past is
+    the first of the consecutive latest rows above that max. Empty for a wide ``dtype`` (float32/float64), or
+    when no such row is recorded.
+    """
+    limit = dtype_max(dtype)
+    if math.isnan(limit) or _wide(dtype) or not len(records):
+        return []
+    rows = records[
+        (records["phase"].astype(str) == "optimizer")
+        & (records["module"].astype(str) == module)
+        & (records["step"] < step)
+    ]
+    out: list[tuple[str, str, float, int]] = []
+    for tensor, g in rows.groupby(rows["tensor"].astype(str), sort=False):
+        g = g.sort_values("step")
+        pdtype = str(g["dtype"].iloc[-1])
+        absmax = g["absmax"].to_numpy(dtype=np.float64)
+        if not (np.isfinite(absmax[-1]) and absmax[-1] > limit and dtype_max(pdtype) > limit):
+            continue
+        i = len(absmax) - 1
+        while i > 0 and np.isfinite(absmax[i - 1]) and absmax[i - 1] > limit:
+            i -= 1
+        out.append((str(tensor), pdtype, float(absmax[-1]), int(g["step"].iloc[i])))
+    return sorted(out, key=lambda t: -t[2])
+
+
+def weights_words(module: str, beyond: list[tuple[str, str, float, int]]) -> str:
+    """ "`0.weight` absmax 5.887e+06 since step 2; `0.bias` …" for :func:`weights_beyond`'s rows."""
+    prefix = f"{module}." if module else ""
+    return "; ".join(f"`{prefix}{t}` absmax {_g(a)} since step {s}" for t, _, a, s in beyond)
 
 
 def _finite_absmax(rows: pd.DataFrame) -> float:
@@ -140,9 +184,31 @@ def explain(
             at = f"its `{tensor}` ({dtype})"
         head = f"At {where}, {name} ({mtype}, call {call}) produced {what} in {at}"
         inputs_had_inf = _has(inputs, "posinf") or _has(inputs, "neginf")
+        beyond = weights_beyond(records, module, step, dtype) if not inputs_had_inf else []
+        if beyond:  # float32 weights above the output dtype's max: autocast's cast to it made them inf
+            pdt = beyond[0][1]
+            made = (
+                "then inf·0 or inf−inf gives NaN"
+                if raw_kind == "nan"
+                else f"inf times its inputs gives {what}"
+            )
+            return (
+                f"{head}, from finite inputs (input absmax {in_absmax}): its {pdt} weights exceed {dtype}'s "
+                f"{dmax:.6g} ({weights_words(module, beyond)}), so autocast's cast to {dtype} made them inf; "
+                f"{made}. Lower the learning rate, add weight decay or clip gradients so the weights stay well "
+                f"below {dmax:.6g}; or keep {name} in float32 (call it inside torch.autocast(..., enabled=False) "
+                "with a .float() input), or use bfloat16."
+            )
         if raw_kind == "nan":
             if inputs_had_inf:
                 cause = "from inputs holding inf but no NaN: inf−inf, 0·inf or inf/inf (e.g. normalising an overflowed row)"
+            elif mtype in _MATMUL_TYPES and not own_code and not _wide(dtype):
+                cause = (
+                    f"from inputs holding no inf/NaN: for a {mtype} that points to non-finite weights, not to an "
+                    f"op such as 0/0; under autocast a float32 weight above {dmax:.6g} becomes inf when cast to "
+                    f"{dtype} (no optimizer row before step {step} shows one: check the absmax of {name}'s "
+                    "weights, diagnose() reads it from a live trace)"
+                )
             else:
                 cause = "from inputs holding no inf/NaN: an invalid operation such as 0/0, sqrt/log of a negative, or a fully masked softmax row"
             return f"{head}, {cause}. Finite input absmax {in_absmax}."
