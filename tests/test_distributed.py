@@ -521,7 +521,7 @@ def test_report_names_the_rank(runs: Path, capsys: pytest.CaptureFixture[str]) -
         "reduction, not produced here)"
     ) in out
     tr = nantrace.load(runs / "nan_data")
-    assert repr(tr).startswith("<nantrace.Trace of DistributedDataParallel: 4 steps, ")
+    assert repr(tr).startswith("<nantrace.Trace of Net (in DistributedDataParallel): 4 steps, ")
 
 
 def test_report_repr_and_plots_count_each_step_once_and_name_the_rank(
@@ -533,7 +533,7 @@ def test_report_repr_and_plots_count_each_step_once_and_name_the_rank(
     tr = nantrace.load(runs / "nan_data")
     # step 2 was skipped on both ranks: one skipped step of 4, not 2 of 8
     assert repr(tr).startswith(
-        f"<nantrace.Trace of DistributedDataParallel: 4 steps, {len(tr.records)} records, 1 skipped"
+        f"<nantrace.Trace of Net (in DistributedDataParallel): 4 steps, {len(tr.records)} records, 1 skipped"
     )
     assert main(["report", str(runs / "nan_data")]) == 1
     out = capsys.readouterr().out
