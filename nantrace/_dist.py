@@ -298,7 +298,7 @@ def _rank_events(
     world_size: int | None,
 ) -> dict[int, list[_Event]]:
     """Per step: every rank's first producer (local rows), or its first received value (reduced rows only)."""
-    from ._locate import _PHASE_RANK, DType, Overflow, _candidates, _first_in_step, _producer
+    from ._locate import _PHASE_RANK, Overflow, _candidates, _first_in_step, _producer, overflow_fields
     from ._report import explain
 
     out: dict[int, list[_Event]] = {}
@@ -334,26 +334,12 @@ def _rank_events(
             if hit is None:
                 continue
             row, k, op = hit
-            if received:
-                module, mtype, call, tensor = (
-                    str(row["module"]),
-                    str(row["module_type"]),
-                    int(row["call"]),
-                    str(row["tensor"]),
-                )
-            else:
-                module, mtype, call, tensor = _producer(step_local, row)
-            fields: dict[str, Any] = dict(
-                step=int(row["step"]),
-                micro_step=int(row["micro_step"]),
-                phase=str(row["phase"]),
-                module=module,
-                module_type=mtype,
-                call=call,
-                tensor=tensor,
-                kind="nan" if k == "nan" else "inf",
-                dtype=DType(str(row["dtype"])),
+            producer = (
+                (str(row["module"]), str(row["module_type"]), int(row["call"]), str(row["tensor"]))
+                if received
+                else _producer(step_local, row)
             )
+            fields = overflow_fields(row, k, producer)
             if received:
                 message = _received_text(fields, k, r, world_size)
             else:

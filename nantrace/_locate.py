@@ -386,6 +386,23 @@ def hunt_hint(
     )
 
 
+def overflow_fields(row: pd.Series, raw_kind: str, producer: tuple[str, str, int, str]) -> dict[str, Any]:
+    """The :class:`Overflow` fields (without ``message``/``rank``) of the record ``row`` holding ``raw_kind``
+    (``"nan"``, ``"posinf"``, ``"neginf"``), attributed to ``producer`` = ``(module, module_type, call, tensor)``."""
+    module, mtype, call, tensor = producer
+    return dict(
+        step=int(row["step"]),
+        micro_step=int(row["micro_step"]),
+        phase=str(row["phase"]),
+        module=module,
+        module_type=mtype,
+        call=call,
+        tensor=tensor,
+        kind="nan" if raw_kind == "nan" else "inf",
+        dtype=DType(str(row["dtype"])),
+    )
+
+
 def _candidates(records: pd.DataFrame, wanted: tuple[str, ...]) -> pd.Series:
     """Steps holding any wanted kind (cheap vectorised pre-filter)."""
     hit = np.zeros(len(records), dtype=bool)
@@ -426,19 +443,7 @@ def _find(
         if hit is None:
             continue
         row, k, op = hit
-        module, mtype, call, tensor = _producer(step_df, row)
-        ov_kind = "nan" if k == "nan" else "inf"
-        fields: dict[str, Any] = dict(
-            step=int(row["step"]),
-            micro_step=int(row["micro_step"]),
-            phase=str(row["phase"]),
-            module=module,
-            module_type=mtype,
-            call=call,
-            tensor=tensor,
-            kind=ov_kind,
-            dtype=DType(str(row["dtype"])),
-        )
+        fields = overflow_fields(row, k, _producer(step_df, row))
         message = explain(records, step_df, row, fields, k, steps, op)
         message += hunt_hint(step_df, row, fields, k, op, builtin)
         found.append(Overflow(**fields, message=message, rank=rank))

@@ -42,21 +42,18 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ._hooks import _clone_tree, flatten
-from ._locate import mask_named
-from ._stats import describable
+from ._locate import KINDS, mask_named
+from ._stats import describable, tensor_kinds
 
 __all__ = ["REPRO_FORMAT", "Capture", "CapturedCall", "Repro", "load_repro", "save_repro"]
 
 REPRO_FORMAT = 1
 # The module of every live Repro and its name in the traced model: nantrace.hunt names modules from it.
 REPRO_NAMES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-_KIND_ORDER = ("nan", "posinf", "neginf")
 
 
 def _kinds(t: torch.Tensor, *, output_path: str | None = None) -> frozenset[str]:
-    from ._hunt import _kinds as kinds
-
-    found = kinds(t)
+    found = tensor_kinds(t)
     if output_path is not None and found == {"neginf"}:  # an additive mask made by the module is not a fault
         x = t.detach()
         if mask_named(output_path) or bool(((x == 0) | torch.isneginf(x)).all()):
@@ -231,7 +228,7 @@ class Capture:
             step=step,
             micro_step=micro,
             call=call,
-            kinds=tuple(k for k in _KIND_ORDER if k in produced),
+            kinds=tuple(k for k in KINDS if k in produced),
             hooks=self.hooks,
             input_grad=flags,
             param_grad={n: p.requires_grad for n, p in module.named_parameters()},

@@ -64,7 +64,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._dist import PART_RE
 from ._hooks import in_backward
-from ._trace import _ACTIVE, NantraceError, Trace, _compile_filter
+from ._trace import _ACTIVE, NantraceError, Trace, check_trace_options
 
 __all__ = ["EXIT_INTERRUPTED", "RunResult", "run_script", "trace_file_name"]
 
@@ -497,8 +497,7 @@ def run_script(
         "drill": drill,
         "every": every,
     }
-    _compile_filter(modules)  # validate the options before the script runs
-    Trace(nn.Linear(1, 1), **{**options, "modules": None})
+    check_trace_options(**options)  # before the script runs
     with _Session(options) as session:
         code = _exec(path, args)
     paths: dict[str, Path] = {}

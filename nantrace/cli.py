@@ -173,6 +173,19 @@ def _err(msg: str) -> None:
     print(f"nantrace: error: {msg}", file=sys.stderr)
 
 
+def _make_out(out: Path) -> bool:
+    """Create the ``--out`` directory; False (after saying why) when it cannot be created or written."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _err(f"--out {str(out)!r}: cannot create it ({e})")
+        return False
+    if not os.access(out, os.W_OK):
+        _err(f"--out {str(out)!r} is not writable; choose another directory")
+        return False
+    return True
+
+
 def scale_history(steps: pd.DataFrame) -> str:
     """'65536 (steps 0-2) → 32768 (step 3, skipped) → …' compressed runs of equal loss scale."""
     if len(steps) == 0 or steps["scale"].isna().all():
@@ -390,13 +403,7 @@ def _run(args: argparse.Namespace) -> int:
             _err(str(e))
             return EXIT_MISSING_EXTRA
     out: Path = args.out if args.out is not None else _new_out_dir("run")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        _err(f"--out {str(out)!r}: cannot create it ({e})")
-        return EXIT_USAGE
-    if not os.access(out, os.W_OK):
-        _err(f"--out {str(out)!r} is not writable; choose another directory")
+    if not _make_out(out):
         return EXIT_USAGE
     result = run_script(
         script,
@@ -463,13 +470,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.lr is not None:
         cfg.lr = args.lr
     out: Path = args.out if args.out is not None else _new_out_dir()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        _err(f"--out {str(out)!r}: cannot create it ({e})")
-        return EXIT_USAGE
-    if not os.access(out, os.W_OK):
-        _err(f"--out {str(out)!r} is not writable; choose another directory")
+    if not _make_out(out):
         return EXIT_USAGE
 
     torch.set_num_threads(min(torch.get_num_threads(), 4))
