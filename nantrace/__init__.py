@@ -6,12 +6,13 @@ and step that produced the first non-finite value.
 """
 
 from ._compare import Comparison, compare
-from ._diagnose import Diagnosis
+from ._diagnosis import Diagnosis
+from ._errors import NantraceError
 from ._hunt import Culprit, hunt
-from ._io import load
-from ._locate import Overflow
+from ._overflow import Overflow
 from ._repro import Repro, load_repro
-from ._trace import NantraceError, Trace, trace
+from ._trace import Trace, load, trace
+from ._version import __version__ as __version__
 
 __all__ = [
     "Comparison",
@@ -27,4 +28,3 @@ __all__ = [
     "load_repro",
     "trace",
 ]
-__version__ = "0.1.0"

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from ._locate import is_mask
+from ._fmt import num
+from ._masks import is_mask
 
 if TYPE_CHECKING:
     from ._trace import Trace
@@ -135,14 +136,9 @@ class Comparison:
 
 def _g(v: Any) -> str:
     try:
-        f = float(v)
+        return num(float(v))
     except (TypeError, ValueError):
         return str(v)
-    if math.isnan(f):
-        return "n/a"
-    if math.isfinite(f) and 1e4 <= abs(f) < 1e7 and f == round(f):
-        return f"{f:.0f}"
-    return f"{f:.4g}"
 
 
 def _range(absmax: Any, finite: Any) -> str:

@@ -14,71 +14,21 @@ registered on a tensor before an in-place op fires with the gradient of the valu
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from ._naming import positional_names
+from ._schema import PHASE_CODE
 from ._stats import describable, is_clean_host, op_input_kinds, stats_device, stats_host, tensor_kinds
-from ._store import PHASE_CODE, PendingStep, Store
+from ._store import PendingStep, Store
+from ._tree import clone_tree, flatten
 
-__all__ = ["Recorder", "flatten"]
-
-_MAX_DEPTH = 6
-
-
-def flatten(obj: Any, prefix: str, depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(path, tensor)`` for every tensor nested in ``obj``.
-
-    Tuples/lists give ``prefix[i]``, mappings (``dict``, ``OrderedDict`` subclasses such as model-output
-    objects) and namedtuples/dataclasses give ``prefix.name``. Anything else is skipped. Recursion stops at
-    depth 6.
-    """
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-        return
-    if depth >= _MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
-        return
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        for name in obj._fields:
-            yield from flatten(getattr(obj, name), f"{prefix}.{name}", depth + 1)
-    elif isinstance(obj, (tuple, list)):
-        for i, v in enumerate(obj):
-            yield from flatten(v, f"{prefix}[{i}]", depth + 1)
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            key = f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]"
-            yield from flatten(v, prefix + key, depth + 1)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from flatten(getattr(obj, f.name, None), f"{prefix}.{f.name}", depth + 1)
-
-
-_SIG_CACHE: dict[Any, list[str]] = {}
-
-
-def positional_names(module: torch.nn.Module) -> list[str]:
-    """Names of the positional parameters of ``module.forward`` (cached per function)."""
-    fn = getattr(type(module), "forward", None)
-    names = _SIG_CACHE.get(fn)
-    if names is None:
-        try:
-            params = inspect.signature(module.forward).parameters.values()
-            names = [
-                p.name
-                for p in params
-                if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-            ]
-        except (TypeError, ValueError):
-            names = []
-        _SIG_CACHE[fn] = names
-    return names
-
+__all__ = ["FirstNonfinite", "Recorder", "eager", "in_backward", "kinds_of_stats"]
 
 _KIND_COLS = ((4, "nan"), (5, "posinf"), (6, "neginf"))
 _CLEAN: frozenset[str] = frozenset()
@@ -308,7 +258,7 @@ class Recorder:
         self.active = False
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
-                args_c, kwargs_c = _clone_tree(args), _clone_tree(kwargs)
+                args_c, kwargs_c = clone_tree(args), clone_tree(kwargs)
                 with mode:
                     torch.func.functional_call(module, buffers, tuple(args_c), dict(kwargs_c), strict=False)
         except Exception:
@@ -454,21 +404,6 @@ class Recorder:
             self.watch_grads(phase, mcode, tcode, call, items, "grad_output", parent)
 
         return eager(pre), eager(post)
-
-
-def _clone_tree(obj: Any, depth: int = 0) -> Any:
-    """A copy of ``obj`` with every tensor in tuples/lists/dicts cloned (for a side-effect-free replay)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if depth >= _MAX_DEPTH:
-        return obj
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_clone_tree(v, depth + 1) for v in obj)
-    if isinstance(obj, list):
-        return [_clone_tree(v, depth + 1) for v in obj]
-    if type(obj) is dict:
-        return {k: _clone_tree(v, depth + 1) for k, v in obj.items()}
-    return obj
 
 
 def _union(a: frozenset[str] | None, b: frozenset[str] | None) -> frozenset[str] | None:

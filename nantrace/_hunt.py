@@ -45,8 +45,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ._fmt import num
 from ._hooks import in_backward
-from ._locate import DType, _wanted
+from ._naming import module_names  # the same names as nantrace.trace()
+from ._repro import REPRO_NAMES, Repro
+from ._schema import DType, wanted_kinds
 from ._stats import describable, op_input_kinds, stats_device, stats_host
 from ._stats import tensor_kinds as _kinds
 
@@ -156,7 +159,7 @@ class Culprit:
         made = (
             f": made {w} ({self.dtype}) from inputs holding no {w}"
             + (f" but {held}" if held else "")
-            + f" (finite input absmax {_g(self.input_absmax)}, smallest non-zero |x| {_g(self.input_absmin)})."
+            + f" (finite input absmax {num(self.input_absmax)}, smallest non-zero |x| {num(self.input_absmin)})."
         )
         if self.internal is True:
             if self.output_kinds:
@@ -183,10 +186,6 @@ def _has_params(m: nn.Module) -> bool:
     return next(iter(m.parameters()), None) is not None
 
 
-def _g(v: float) -> str:
-    return "n/a" if math.isnan(v) else f"{v:.4g}"
-
-
 def op_name(func: Any) -> str:
     """``aten::pow.Tensor_Scalar`` for an ``OpOverload`` (the ``default`` overload is left out)."""
     schema = getattr(func, "_schema", None)
@@ -204,8 +203,6 @@ def user_frame(frame: FrameType | None) -> FrameType | None:
     ``examples`` package counts as user code); ``None`` when the walk reaches :func:`hunt` or
     :meth:`nantrace.Repro.run` first (the op ran in torch's own code, e.g. ``hunt(nn.Linear(...), x)``)."""
     if not _BOUNDARIES:
-        from ._repro import Repro
-
         _BOUNDARIES.update({hunt.__code__, Repro.run.__code__})
     while frame is not None:
         if frame.f_code in _BOUNDARIES:
@@ -300,8 +297,6 @@ class _Hunter:
         name = self.names.get(id(m))
         if name is not None:
             return name
-        from ._repro import REPRO_NAMES
-        from ._trace import module_names  # the same names as nantrace.trace()
 
         # The root is the module passed as fn, else the first module *with parameters* called while no other
         # module runs (the rule of `nantrace run`); a Repro's module keeps its name in the traced model. Any
@@ -594,7 +589,7 @@ def hunt(fn: Callable[..., Any], *args: Any, kind: str | None = None, **kwargs: 
             "would be checked. Pass a plain function that runs the step (e.g. lambda: list(gen()) or "
             "lambda: asyncio.run(coro_fn()))."
         )
-    wanted = _wanted(kind)
+    wanted = wanted_kinds(kind)
     hunter = _Hunter(wanted, fn)
     handles = []
     try:

@@ -1,253 +1,177 @@
-"""Saving and loading traces: one parquet file (pyarrow) per trace.
+"""Saving and loading run views: one trace file (:mod:`nantrace._format`), or a folder of rank parts that
+the ranks of a ``torch.distributed`` run saved into and that loads as one merged view.
 
-The file's table is ``records``. Its schema metadata holds, under the key ``b"nantrace"``, a JSON header
-(format version, nantrace/torch/python versions, model class, dtypes, the arguments of ``trace``, rank and
-world size, the run id all ranks of a distributed recording share, the time of the save ``saved_at``) and, as
-base64 Arrow IPC streams, the ``steps`` and ``ops`` tables, so dtypes survive the round trip exactly.
+Writes are atomic (:func:`nantrace._files.atomic_write`): an interrupted save leaves either the old file or
+none, never a half-written one.
 
-Writes are atomic: the file is written to a temporary name in the target directory, flushed to disk, then
-renamed over the target (``os.replace``), so an interrupted save leaves either the old file or none, never a
-half-written one.
+A part saved by an earlier run into the same folder (a rank that crashed before its save this time, or a part
+copied in by hand) would otherwise be merged as if it belonged to this run. So each distributed recording has a
+run id that all its ranks share (:func:`nantrace._procgroup.shared_run_id`). Each part's header holds it
+(``run_id``) and the time of the save (``saved_at``, ISO 8601 UTC). ``load(folder)`` keeps the parts of the
+newest run only (the run whose latest ``saved_at`` is newest; a part written without these fields, e.g. by an
+older nantrace, counts as one run saved at its file's modification time) and warns which parts it ignored, then
+warns about the ranks that run lacks.
 """
 
 from __future__ import annotations
 
-import base64
-import contextlib
-import json
 import os
-import platform
-import tempfile
-from collections.abc import Callable
+import warnings
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any
 
 import pandas as pd
-import torch
 
-from ._store import canonical_records, category_index
+from ._errors import NantraceError
+from ._files import check_target
+from ._format import from_ipc, make_header, read_meta, read_records, read_trace, write_trace
+from ._procgroup import part_name, part_target
+from ._procgroup import parts as rank_parts
+from ._store import canonical_records
+from ._view import RunView, loaded_view
 
-if TYPE_CHECKING:
-    from ._trace import Trace
-
-__all__ = ["FORMAT_VERSION", "MAGIC", "load", "read_header", "save"]
-
-MAGIC = b"nantrace"
-FORMAT_VERSION = 1  # bump on incompatible schema changes; a reader accepts files with the same major version
-
-
-def _pa() -> Any:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError as e:  # pragma: no cover - pyarrow is a core dependency
-        raise ImportError("saving and loading traces needs pyarrow: pip install pyarrow") from e
-    return pa, pq
+__all__ = ["load_folder", "load_view", "save_view"]
 
 
-def _ipc(df: pd.DataFrame) -> str:
-    pa, _ = _pa()
-    table = pa.Table.from_pandas(df, preserve_index=False)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as w:
-        w.write_table(table)
-    return base64.b64encode(sink.getvalue().to_pybytes()).decode("ascii")
+def save_view(view: RunView, path: str | os.PathLike[str], *, recording: bool) -> Path:
+    """Write ``view`` to ``path`` atomically; returns the path. See :meth:`nantrace.Trace.save`.
 
-
-def _from_ipc(text: str) -> pd.DataFrame:
-    pa, _ = _pa()
-    reader = pa.ipc.open_stream(pa.py_buffer(base64.b64decode(text)))
-    return _normalise(reader.read_all().to_pandas())
-
-
-def _normalise(df: pd.DataFrame) -> pd.DataFrame:
-    """Categorical columns with categories of pandas' default string dtype, as the recorder builds them."""
-    for c in df.columns:
-        if isinstance(df[c].dtype, pd.CategoricalDtype):
-            cats = df[c].cat.categories
-            df[c] = pd.Categorical.from_codes(
-                df[c].cat.codes.to_numpy(), categories=category_index([str(v) for v in cats]), validate=False
-            )
-    return df
-
-
-def _check_target(path: str | os.PathLike[str]) -> Path:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike; got {type(path).__name__}: {path!r:.80}")
-    p = Path(path).expanduser()  # "~/x.nantrace" is the home directory, as in a shell
-    if p.is_dir():
-        raise ValueError(
-            f"path {str(p)!r} is a directory; give a file name such as {str(p / 'trace.nantrace')!r}"
-        )
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise ValueError(f"path {str(p)!r}: directory {str(parent)!r} does not exist; create it first")
-    if not os.access(parent, os.W_OK):
-        raise ValueError(
-            f"path {str(p)!r}: directory {str(parent)!r} is not writable; choose another location"
-        )
-    return p
-
-
-def header(tr: Trace, records: pd.DataFrame | None = None) -> dict[str, Any]:
-    from . import __version__
-
-    rec = tr.records if records is None else records
-    return {
-        "format": FORMAT_VERSION,
-        "nantrace": __version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "model_class": tr._model_class,
-        "dtypes": sorted({str(d) for d in rec["dtype"].astype(str).unique()}) if len(rec) else [],
-        "options": tr.options,
-        "rank": getattr(tr, "rank", 0),
-        "world_size": getattr(tr, "world_size", 1),
-        # shared by every rank of one distributed recording (None in a single process): see nantrace._dist
-        "run_id": getattr(tr, "_run_id", None),
-        "saved_at": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
-    }
-
-
-def footer(tr: Trace, records: pd.DataFrame | None = None) -> bytes:
-    """The nantrace metadata of a trace file: JSON header, and ``steps``/``ops`` as Arrow IPC."""
-    head = header(tr, records)
-    return json.dumps({"header": head, "steps": _ipc(tr.steps), "ops": _ipc(tr.ops)}).encode("utf-8")
-
-
-def save(tr: Trace, path: str | os.PathLike[str]) -> Path:
-    """Write ``tr`` to ``path`` atomically; returns the path. See :meth:`nantrace.Trace.save`."""
-    pa, pq = _pa()
-    if not tr._read_only and tr.world_size > 1 and tr.rank is not None:
-        from ._dist import part_target  # one part per rank in a folder at ``path``
-
-        target = part_target(path, tr.rank, tr.world_size)
+    ``recording``: the view is of a live recording; under torch.distributed with ``world_size > 1`` its rank
+    then writes its part into a folder at ``path``."""
+    m = view.meta
+    if recording and m.world_size > 1 and m.rank is not None:
+        target = part_target(path, m.rank, m.world_size)  # one part per rank in a folder at ``path``
     else:
-        target = _check_target(path)
-    records = tr.records
-    table = pa.Table.from_pandas(records, preserve_index=False)
-    schema_meta = dict(table.schema.metadata or {})
-    schema_meta[MAGIC] = footer(tr, records)
-    table = table.replace_schema_metadata(schema_meta)
-    return atomic_write(target, lambda f: pq.write_table(table, f, compression="zstd"))
+        target = check_target(path)
+    records = view.records
+    head = make_header(
+        model_class=m.model_class,
+        options=m.options,
+        records=records,
+        rank=m.rank,
+        world_size=m.world_size,
+        run_id=m.run_id,
+    )
+    return write_trace(target, records, view.steps, view.ops, head)
 
 
-def atomic_write(target: Path, write: Callable[[BinaryIO], object]) -> Path:
-    """Call ``write(f)`` on a temporary file next to ``target``, flush it to disk, then rename it over
-    ``target`` (``os.replace``): an interrupted write leaves the old file or none, never a half-written one.
-    The file gets the ordinary mode (0666 minus the umask); the temporary file is removed on any error."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return target
-
-
-def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The JSON header of a saved trace (versions, model class, dtypes, options) without reading the rows.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        NantraceError: ``path`` is not a nantrace trace, or was written by an incompatible format version.
-    """
-    return _meta(path)["header"]
-
-
-def _meta(path: str | os.PathLike[str]) -> dict[str, Any]:
-    from ._trace import NantraceError
-
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike; got {type(path).__name__}: {path!r:.80}")
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"no such trace file: {str(p)!r}")
-    _, pq = _pa()
-    try:
-        file_meta = pq.ParquetFile(p).metadata.metadata
-    except Exception as e:
-        if _is_repro(p):
-            raise NantraceError(
-                f"{str(p)!r} is a nantrace reproducer (written by save_repro), not a trace: rebuild it with "
-                "nantrace.load_repro(path)"
-            ) from None
-        raise NantraceError(f"{str(p)!r} is not a nantrace trace (not a parquet file: {e})") from None
-    raw = (file_meta or {}).get(MAGIC)
-    if raw is None:
-        raise NantraceError(f"{str(p)!r} is a parquet file but not a nantrace trace (no nantrace metadata)")
-    try:
-        meta = json.loads(raw.decode("utf-8"))
-        fmt = int(meta["header"]["format"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise NantraceError(f"{str(p)!r} has damaged nantrace metadata ({e})") from None
-    if fmt != FORMAT_VERSION:
-        raise NantraceError(
-            f"{str(p)!r} was written in trace format {fmt} by nantrace {meta['header'].get('nantrace')}; "
-            f"this nantrace reads format {FORMAT_VERSION}. Load it with a matching nantrace version."
-        )
-    return dict(meta)
-
-
-def _is_repro(p: Path) -> bool:
-    """True when ``p`` is a ``torch.save`` zip archive holding a nantrace reproducer (read without unpickling)."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(p) as z:
-            names = z.namelist()
-            pkl = next((n for n in names if n.endswith("/data.pkl")), None)
-            return pkl is not None and b"module_pickle" in z.read(pkl)
-    except (OSError, zipfile.BadZipFile, KeyError):
-        return False
-
-
-def read_records(path: str | os.PathLike[str]) -> pd.DataFrame:
-    """The ``records`` table of a trace file (written by ``save`` or streamed with ``trace(path=...)``)."""
-    _, pq = _pa()
-    return canonical_records(pq.read_table(Path(path).expanduser()).to_pandas())
-
-
-def load(path: str | os.PathLike[str]) -> Trace:
-    """Read a trace written by :meth:`Trace.save` as a read-only :class:`~nantrace.Trace`.
-
-    Its ``records``, ``steps``, ``ops``, ``first_overflow()``, ``overflows()`` and reprs equal the original's.
-
-    A folder that the ranks of a ``torch.distributed`` run saved into (same ``path`` on every rank) loads as one
-    trace merged from all rank parts: every row keeps its ``rank``, and the locator works across ranks. Only the
-    parts of the newest run (by their header's ``run_id`` and ``saved_at``) are merged: parts left over from
-    another run in the folder are ignored with a ``UserWarning`` naming them, and ranks missing from the newest
-    run give another ``UserWarning``.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        NantraceError: ``path`` is not a trace (a nantrace reproducer is named as such: rebuild it with
-            :func:`nantrace.load_repro`), or comes from an incompatible format version; a folder without
-            rank parts, or with parts of several world sizes.
-    """
-    from ._trace import Trace
-
+def load_view(path: str | os.PathLike[str]) -> RunView:
+    """The run view of a trace file, or of a folder of rank parts (merged). See :func:`nantrace.load`."""
     if isinstance(path, (str, os.PathLike)):
         path = Path(path).expanduser()  # "~" is the home directory, as in a shell
         if path.is_dir():
-            from ._dist import load_folder
+            return loaded_view(*load_folder(path))
+    return loaded_view(*read_trace(path))
 
-            return Trace._from_saved(*load_folder(path))
 
-    meta = _meta(path)
-    _, _pq = _pa()
-    records = read_records(path)
-    steps = _from_ipc(meta["steps"])
-    if "rank" not in steps.columns:  # written before the rank column existed: one process, rank 0
-        steps["rank"] = pd.array([meta["header"].get("rank") or 0] * len(steps), dtype="int32")
-    ops = _from_ipc(meta["ops"])
-    return Trace._from_saved(records, steps, ops, meta["header"])
+def load_folder(path: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict[str, Any]]:
+    """Read every rank part in ``path`` and merge them: ``records, steps, ops, header`` of one trace.
+
+    Records, steps and ops of all ranks are concatenated (each row keeps its ``rank``); steps and ops are sorted
+    by ``step`` then ``rank``. The header is rank 0's (else the lowest rank's) with ``rank`` = None,
+    ``world_size`` and ``ranks``. Only the parts of the newest run are read (parts left over from another run
+    give a ``UserWarning`` naming them); ranks missing from it give a ``UserWarning``; the trace still loads.
+
+    Raises:
+        NantraceError: no part in the folder, parts of several world sizes, or an unreadable part.
+    """
+    parts = rank_parts(path)
+    if not parts:
+        inside = Path(path) / "trace.nantrace"
+        hint = f"; did you mean {str(inside)!r} (a `nantrace run` output folder)?" if inside.exists() else ""
+        raise NantraceError(
+            f"{str(path)!r} is a folder without nantrace rank parts (files named like {part_name(0, 2)!r})"
+            + hint
+        )
+    metas = {p: read_meta(p) for _, _, p in parts}
+    parts = _newest_run(path, parts, metas)
+    worlds = sorted({w for _, w, _ in parts})
+    if len(worlds) > 1:
+        raise NantraceError(
+            f"{str(path)!r} mixes parts of runs with world sizes {worlds}; keep the parts of one run only"
+        )
+    world = worlds[0]
+    recs, steps, ops = [], [], []
+    head: dict[str, Any] = {}
+    for rank, _, p in parts:
+        meta = metas[p]
+        r = read_records(p)
+        r["rank"] = rank
+        recs.append(r)
+        s = from_ipc(meta["steps"])
+        s["rank"] = pd.array([rank] * len(s), dtype="int32")
+        steps.append(s)
+        o = from_ipc(meta["ops"])
+        o["rank"] = rank
+        ops.append(o)
+        if not head:
+            head = dict(meta["header"])
+    ranks = [rank for rank, _, _ in parts]
+    missing = sorted(set(range(world)) - set(ranks))
+    if missing:
+        warnings.warn(
+            f"{str(path)!r} holds {len(ranks)} of {world} rank parts; ranks {missing} are missing (did they "
+            "crash before Trace.save?). The merged trace covers the ranks present.",
+            stacklevel=3,
+        )
+    records = canonical_records(
+        pd.concat([_plain(r) for r in recs], ignore_index=True) if len(recs) > 1 else recs[0]
+    )
+    steps_df = pd.concat(steps, ignore_index=True).sort_values(["step", "rank"], kind="stable")
+    ops_df = pd.concat(ops, ignore_index=True)
+    if len(ops_df):
+        ops_df = ops_df.sort_values(["step", "rank"], kind="stable")
+    head.update(rank=None, world_size=world, ranks=ranks, parts=[p.name for _, _, p in parts])
+    return records, steps_df.reset_index(drop=True), ops_df.reset_index(drop=True), head
+
+
+def _newest_run(
+    folder: Path, parts: list[tuple[int, int, Path]], metas: dict[Path, dict[str, Any]]
+) -> list[tuple[int, int, Path]]:
+    """The parts of the newest run in ``folder`` (see the module docstring); a ``UserWarning`` names the parts
+    of other runs that are left out."""
+
+    def saved(p: Path) -> datetime:
+        text = metas[p]["header"].get("saved_at")
+        if isinstance(text, str):
+            try:
+                return datetime.fromisoformat(text)
+            except ValueError:
+                pass
+        return datetime.fromtimestamp(p.stat().st_mtime, timezone.utc)
+
+    runs: dict[str | None, list[tuple[int, int, Path]]] = {}
+    for part in parts:
+        rid = metas[part[2]]["header"].get("run_id")
+        runs.setdefault(rid if isinstance(rid, str) else None, []).append(part)
+    if len(runs) == 1:
+        return parts
+    last = {rid: max(saved(p) for _, _, p in ps) for rid, ps in runs.items()}
+    newest = max(runs, key=lambda rid: last[rid])
+    kept = runs[newest]
+    ignored = sorted(p.name for rid, ps in runs.items() if rid != newest for _, _, p in ps)
+
+    def run_name(rid: str | None) -> str:
+        return f"run {rid}" if rid is not None else "a run without run id"
+
+    others = "; ".join(
+        f"{', '.join(p.name for _, _, p in runs[rid])} ({run_name(rid)}, saved {last[rid]:%Y-%m-%d %H:%M:%S} UTC)"
+        for rid in sorted((r for r in runs if r != newest), key=lambda r: last[r])
+    )
+    warnings.warn(
+        f"{str(folder)!r} holds parts of {len(runs)} runs: loading the newest, {run_name(newest)} (saved "
+        f"{last[newest]:%Y-%m-%d %H:%M:%S} UTC, {len(kept)} part(s)), and ignoring {len(ignored)} part(s) left "
+        f"over from another run: {others}. Delete them, or save each run to a new path.",
+        stacklevel=4,
+    )
+    return kept
+
+
+def _plain(df: pd.DataFrame) -> pd.DataFrame:
+    """Categorical columns as plain strings, so parts with different categories concatenate."""
+    out = df.copy()
+    for c in out.columns:
+        if isinstance(out[c].dtype, pd.CategoricalDtype):
+            out[c] = out[c].astype(object).where(out[c].notna(), None)
+    return out

@@ -1,4 +1,5 @@
-"""The locator: plain pandas over ``records``, naming who *produced* the first non-finite value.
+"""The locator: plain pandas over ``records``, naming who *produced* the first non-finite value. It returns
+facts (:class:`Event`), never words: :mod:`nantrace._explain` writes them.
 
 Rules (from the design contract), applied to one step's rows in time order — data, forward in call order,
 loss, backward in execution order, optimizer — within each micro-step:
@@ -7,227 +8,133 @@ loss, backward in execution order, optimizer — within each micro-step:
    time order, the first row holding a kind not seen before is exactly that output.
 2. A kind that first shows up at a module's *input* was made by the enclosing module's own ``forward`` (an op
    between its children): that enclosing module (the row's ``parent``) is reported.
-3. An attention mask is not a fault. A tensor is a mask when it holds no NaN or +inf and either its name says so
-   (the forward parameter it was passed as, or its path, contains ``"mask"`` or ``"bias"``, as in
-   ``attention_mask`` or ``attn_bias``) or every value is 0 or -inf; the value rule does not apply to the
-   model's first positional argument (``input[0]`` of phase data: the features, where ``log(one_hot)`` is
-   data). Its -inf is recorded (``n_neginf``) but never reported, and passing it on in activations is not
-   producing it, also when it reaches the model's output (masked logits are a legitimate output; the contract
-   says a mask's -inf is never reported). NaN/+inf, or -inf in a model input that is not a mask (e.g. ``log(0)`` in a feature), is a
-   ``data`` fault. The forward drill-down names an op only for a kind it *produced* (a non-finite scalar
-   argument such as ``masked_fill(m, -inf)`` counts as an input: ``_stats.op_input_kinds``).
+3. An attention mask is not a fault (:mod:`nantrace._masks`): its -inf is recorded (``n_neginf``) but never
+   reported, and passing it on in activations is not producing it, also when it reaches the model's output.
+   NaN/+inf, or -inf in a model input that is not a mask (e.g. ``log(0)`` in a feature), is a ``data`` fault.
+   The forward drill-down names an op only for a kind it *produced* (a non-finite scalar argument such as
+   ``masked_fill(m, -inf)`` counts as an input: ``_stats.op_input_kinds``).
 4. ``loss``: outputs were finite but the loss, or the gradient arriving at the outputs, was not.
 5. ``backward``: the first non-finite gradient. One gradient value can be seen by several hooks (the output of
    one module is the input of the next; rows sharing an ``event``); it is attributed to the module whose
    backward computed it: a parameter's owner, else the module it is ``grad_input`` of (the innermost), else
    the enclosing module whose own code consumed that output.
 6. ``optimizer``: the first parameter that ``optimizer.step()`` made non-finite; ``module`` is its owner.
+
+One locator for one rank and for many
+-------------------------------------
+Each rank's own first producer of a step is found from its *local* rows (a trace of one process is one rank).
+Rows marked ``reduced`` hold parameter gradients after the cross-rank reduction (DDP all-reduce, FSDP
+reduce-scatter): a value a rank holds only there was *received*, not produced. Ranks run concurrently and
+their clocks are not comparable, so the producers of one step are ordered by the key
+``(step, micro_step, phase, seq, rank)``:
+
+1. the same step first: within a step ranks exchange values only through the gradient reduction at the end of
+   backward (and, under FSDP, parameter all-gathers that carry the previous step's optimizer result);
+2. then the pipeline phase order ``data → forward → loss → backward → optimizer`` (micro-step first);
+3. then ``seq``, the position in the step's execution order: every rank runs the same program, so equal
+   positions are the same tensor on every rank (on the in-between steps of ``every=N`` only non-finite tensors
+   are numbered, so there the position is among those);
+4. then the lowest rank: two ranks that produced the same event independently are both producers.
+
+When every rank's local rows are finite but the reduced gradients are not, the reduction itself produced the
+value (e.g. a DDP communication hook that compresses gradients to float16): it is reported on the lowest rank
+holding it, ``propagated=False``. A trace that holds only some of the ranks cannot tell the two apart and reports
+such a value as ``propagated=True``.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 
-__all__ = ["KINDS", "Overflow", "is_mask", "locate", "mask_rows", "overflows"]
+from ._masks import is_mask
+from ._schema import PHASE_RANK, DType
 
-KINDS = ("nan", "posinf", "neginf")
-_PHASE_RANK = {"data": 0, "forward": 1, "loss": 2, "backward": 3, "optimizer": 4}
-OVERFLOW_COLUMNS = (
-    "step",
-    "micro_step",
-    "phase",
-    "module",
-    "module_type",
-    "call",
-    "tensor",
-    "kind",
-    "dtype",
-    "rank",
-    "propagated",
-)
-
-
-class DType(str):
-    """A dtype name (``"float16"``) that also compares equal to ``torch.float16`` and ``"torch.float16"``."""
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, torch.dtype):
-            return str(other) == "torch." + str(self)
-        if isinstance(other, str):
-            return str.__eq__(self, other.removeprefix("torch."))
-        return NotImplemented
-
-    def __ne__(self, other: object) -> bool:
-        eq = self.__eq__(other)
-        return eq if eq is NotImplemented else not eq
-
-    __hash__ = str.__hash__
+__all__ = ["Event", "Finding", "find", "overflow_fields", "rank_events"]
 
 
 @dataclass(frozen=True)
-class Overflow:
-    """Where the first non-finite value was produced, and why, in words.
+class Event:
+    """One rank's first non-finite value in one step, and who produced it.
 
     Attributes:
-        step: optimizer step (0-based).
-        micro_step: root forward call inside the step (0-based; > 0 with gradient accumulation).
-        phase: ``"data"``, ``"forward"``, ``"loss"``, ``"backward"`` or ``"optimizer"``.
-        module: qualified module name of the producer (``""`` is the root model).
-        module_type: the producer's class name, e.g. ``"Linear"``.
-        call: 0-based index of the producer's call inside the micro-step (a module reused 3 times has 0, 1, 2).
-        tensor: path of the first non-finite tensor, e.g. ``"output"``, ``"grad_input[0]"``, ``"weight"``.
-        kind: ``"inf"`` (+inf or -inf) or ``"nan"``.
-        dtype: dtype name of that tensor, e.g. ``"float16"`` (compares equal to ``torch.float16`` too).
-        message: one or two sentences explaining it, with the numbers that matter; ``str(overflow)``.
-        rank: the ``torch.distributed`` rank whose trace holds it (0 without a process group); in a merged trace
-            of several ranks, the rank that produced it (ordering rule: ``nantrace._dist``).
-        propagated: True when this rank did not produce the value but only received it through the gradient
-            reduction (it is only in ``reduced`` rows: DDP's all-reduce, FSDP's reduce-scatter).
+        fields: the :class:`~nantrace.Overflow` fields ``step .. dtype`` (producer attributed).
+        raw_kind: ``"nan"``, ``"posinf"`` or ``"neginf"``.
+        op: the torch op the forward drill-down named inside the producing call, or None.
+        row: the record row where the value was first seen.
+        step_rows: that rank's local rows of the step (what the explanation reads).
+        rank: the rank whose rows hold it.
+        received: True when the rank holds it only in reduced rows (it came through the reduction).
     """
 
-    step: int
-    micro_step: int
-    phase: str
-    module: str
-    module_type: str
-    call: int
-    tensor: str
-    kind: str
-    dtype: str
-    message: str = field(default="", compare=False, repr=False)
-    rank: int = 0
-    propagated: bool = False
-    # the trace's capture state (nantrace._repro.Capture) with trace(capture=...), for save_repro(); not a field
-    _captured: Any = field(default=None, compare=False, repr=False)
+    fields: dict[str, Any]
+    raw_kind: str
+    op: str | None
+    row: pd.Series = field(compare=False)
+    step_rows: pd.DataFrame = field(compare=False)
+    rank: int
+    received: bool
 
-    def __str__(self) -> str:
-        return self.message
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields (without ``message``) as a plain dict."""
-        return {k: getattr(self, k) for k in OVERFLOW_COLUMNS}
-
-    def save_repro(self, path: str | os.PathLike[str]) -> Path:
-        """Write a reproducer of *this* overflow's module call, captured by ``nantrace.trace(..., capture=...)``,
-        to ``path`` (``~`` is expanded).
-
-        The file holds the captured module's class path and pickled object, its ``state_dict`` right after
-        the call, the call's args/kwargs (copies taken when the call started) with their ``requires_grad``,
-        its dtype and the autocast state (format: ``nantrace._repro``). The write is atomic (a temporary file
-        renamed over ``path``). :func:`nantrace.load_repro` rebuilds it; ``repro.run()`` reproduces the call
-        in isolation and ``nantrace.hunt(repro.run)`` names the op.
-
-        Only a forward overflow whose own call was captured can be saved here: the trace's captured call (the
-        first watched call whose forward produced a non-finite value) must be this Overflow's event (same
-        step, micro-step, module and call), or the call of a module enclosing it in the same step and
-        micro-step (``capture="ff"`` for an overflow in ``ff.wo``: the saved call contains it). Otherwise (a scaler backoff in ``loss``, a backward overflow, an
-        overflow in a module that was not watched) it raises rather than save another event; save whatever
-        was captured with :meth:`nantrace.Trace.save_repro`.
-
-        Returns:
-            the path written, as a ``pathlib.Path``.
-
-        Raises:
-            NantraceError: the trace had no ``capture=`` or captured nothing (the message names the watched
-                modules and where this overflow is), the captured call is not this overflow's event (the
-                message names both), or the module's class (or a submodule's) cannot be imported back by its
-                path (defined in ``__main__``, e.g. a notebook, or inside a function): move it to an importable
-                module.
-            TypeError / ValueError: ``path`` is not a path, is a directory, or its directory does not exist
-                or is not writable.
-        """
-        from ._repro import captured_call, save_repro
-
-        return save_repro(captured_call(self._captured, self, for_overflow=True), path)
+    @property
+    def key(self) -> tuple[int, int, int, int, int]:
+        """The cross-rank ordering key ``(step, micro_step, phase order, seq, rank)``."""
+        r = self.row
+        return (int(r["step"]), int(r["micro_step"]), PHASE_RANK[str(r["phase"])], int(r["seq"]), self.rank)
 
 
-# ---------------------------------------------------------------------------------------------- masks
-MASK_WORDS = ("mask", "bias")  # attention_mask, src_mask, attn_bias, position_bias, alibi_bias, ...
+@dataclass(frozen=True)
+class Finding:
+    """What the locator reports for one step (or, ``per_rank``, one rank of a step).
 
+    Attributes:
+        event: the producing (or, when nothing was produced, the first received) event.
+        how: ``"produced"``; ``"reduction"`` (every rank's local rows finite, the reduction made it: ``event`` is
+            the lowest rank's); ``"received"`` (only received values, and the trace lacks ranks to tell more).
+        receivers: ranks that only received the value (``produced``), or every rank holding it (``reduction``).
+        n_ranks: ranks in the trace.
+    """
 
-def mask_named(name: str) -> bool:
-    """True when a parameter name or tensor path says it is an additive attention mask or bias."""
-    low = name.lower()
-    return any(w in low for w in MASK_WORDS)
-
-
-def _names_mask(values: Any) -> np.ndarray:
-    return np.array([mask_named(str(v)) for v in values], dtype=bool)
-
-
-FEATURES = "input[0]"  # the path of the model's first positional argument (phase "data"): its features
-
-
-def mask_rows(
-    n_nan: np.ndarray,
-    n_posinf: np.ndarray,
-    n_neginf: np.ndarray,
-    n_zero: np.ndarray,
-    numel: np.ndarray,
-    activation: np.ndarray,
-    named: np.ndarray,
-    features: np.ndarray | None = None,
-) -> np.ndarray:
-    """Rule 3 on arrays: rows that are attention masks (``activation``: data/forward rows; ``named``: the
-    parameter name or path contains "mask" or "bias"; ``features``: the rows of the model's first positional
-    argument, ``input[0]`` of phase data, where the value rule "every value is 0 or -inf" does not apply, so
-    ``log(one_hot)`` there is data, not a mask)."""
-    only_mask_values = (n_zero + n_neginf) == numel
-    if features is not None:
-        only_mask_values = only_mask_values & ~features
-    return (n_neginf > 0) & (n_nan == 0) & (n_posinf == 0) & activation & (named | only_mask_values)
-
-
-def is_mask(df: pd.DataFrame) -> np.ndarray:
-    """Boolean array: which rows of ``df`` (records) are attention masks whose -inf is not a fault (rule 3)."""
-    if len(df) == 0:
-        return np.zeros(0, dtype=bool)
-    phase = df["phase"].astype(str).to_numpy()
-    return mask_rows(
-        df["n_nan"].to_numpy(),
-        df["n_posinf"].to_numpy(),
-        df["n_neginf"].to_numpy(),
-        df["n_zero"].to_numpy(),
-        df["numel"].to_numpy(),
-        (phase == "data") | (phase == "forward"),
-        _categorical_flag(df["tensor"]) | _categorical_flag(df["arg"]),
-        (phase == "data") & (df["tensor"].astype(str).to_numpy() == FEATURES),
-    )
-
-
-def _categorical_flag(col: pd.Series) -> np.ndarray:
-    if isinstance(col.dtype, pd.CategoricalDtype):
-        cats = _names_mask(col.cat.categories)
-        codes = col.cat.codes.to_numpy()
-        return np.where(codes >= 0, cats[np.maximum(codes, 0)] if len(cats) else False, False)
-    return _names_mask(col.fillna("").to_numpy())
-
-
-# ---------------------------------------------------------------------------------------------- locator
-def _wanted(kind: str | None) -> tuple[str, ...]:
-    if kind is None:
-        return KINDS
-    if kind == "nan":
-        return ("nan",)
-    if kind == "inf":
-        return ("posinf", "neginf")
-    raise ValueError(f"kind must be None, 'inf' or 'nan'; got {kind!r}")
+    event: Event
+    how: str
+    receivers: tuple[int, ...] = ()
+    n_ranks: int = 1
 
 
 def _ordered(step_df: pd.DataFrame) -> pd.DataFrame:
-    rank = step_df["phase"].astype(str).map(_PHASE_RANK).to_numpy()
+    rank = step_df["phase"].astype(str).map(PHASE_RANK).to_numpy()
     return step_df.assign(_rank=rank).sort_values(["micro_step", "_rank", "seq"], kind="stable")
 
 
-def _first_in_step(
+def _op_rows(
+    df: pd.DataFrame, wanted: tuple[str, ...], ops: pd.DataFrame | None
+) -> dict[int, tuple[str, str]]:
+    """Row position (in ``df``) of the output of each module call where the drill-down named an op -> (kind, op)."""
+    extra: dict[int, tuple[str, str]] = {}
+    if ops is None or not len(ops):
+        return extra
+    tensors = df["tensor"].astype(str).to_numpy().astype(str)
+    phases = df["phase"].astype(str).to_numpy()
+    modules = df["module"].astype(str).to_numpy()
+    outputs = np.char.startswith(tensors, "output")
+    for op in ops.itertuples():
+        if op.kind not in wanted:
+            continue
+        hit = np.nonzero(
+            (phases == "forward")
+            & (modules == op.module)
+            & (df["call"].to_numpy() == op.call)
+            & (df["micro_step"].to_numpy() == op.micro_step)
+            & outputs
+        )[0]
+        if len(hit):
+            extra.setdefault(int(hit[0]), (str(op.kind), str(op.op)))
+    return extra
+
+
+def first_in_step(
     step_df: pd.DataFrame, wanted: tuple[str, ...], ops: pd.DataFrame | None = None
 ) -> tuple[pd.Series, str, str | None] | None:
     """The first row of one step holding a wanted kind not seen before, that kind, and the torch op that made
@@ -237,23 +144,7 @@ def _first_in_step(
     phase = df["phase"].astype(str).to_numpy()
     activation = (phase == "data") | (phase == "forward")
     has = {k: df[f"n_{k}"].to_numpy() > 0 for k in wanted}
-    extra: dict[int, tuple[str, str]] = {}
-    if ops is not None and len(ops):
-        tensors = df["tensor"].astype(str).to_numpy()
-        phases = df["phase"].astype(str).to_numpy()
-        modules = df["module"].astype(str).to_numpy()
-        for op in ops.itertuples():
-            if op.kind not in wanted:
-                continue
-            hit = np.nonzero(
-                (phases == "forward")
-                & (modules == op.module)
-                & (df["call"].to_numpy() == op.call)
-                & (df["micro_step"].to_numpy() == op.micro_step)
-                & np.char.startswith(tensors.astype(str), "output")
-            )[0]
-            if len(hit):
-                extra.setdefault(int(hit[0]), (str(op.kind), str(op.op)))
+    extra = _op_rows(df, wanted, ops)
     masked = False  # an attention mask's -inf is around: passing it on (in activations) is not producing it
     for i in range(len(df)):
         kinds = [k for k in wanted if has[k][i]]
@@ -268,7 +159,7 @@ def _first_in_step(
     return None
 
 
-def _call_of(step_df: pd.DataFrame, module: str, micro: int, before_seq: int) -> int:
+def call_of(step_df: pd.DataFrame, module: str, micro: int, before_seq: int) -> int:
     """The call index of ``module``'s invocation that was open at ``before_seq`` (its latest input row)."""
     rows = step_df[
         (step_df["module"].astype(str) == module)
@@ -286,15 +177,14 @@ def _type_of(records: pd.DataFrame, module: str) -> str:
     return str(rows.iloc[0]) if len(rows) else ""
 
 
-def _producer(step_df: pd.DataFrame, row: pd.Series) -> tuple[str, str, int, str]:
+def producer(step_df: pd.DataFrame, row: pd.Series) -> tuple[str, str, int, str]:
     """(module, module_type, call, tensor) that produced the value first seen in ``row``."""
     phase = str(row["phase"])
     module, mtype, call = str(row["module"]), str(row["module_type"]), int(row["call"])
     tensor = str(row["tensor"])
     parent = row["parent"]
-    has_parent = isinstance(parent, str)
-    if phase == "forward" and tensor.startswith("input") and has_parent:
-        pcall = _call_of(step_df, parent, int(row["micro_step"]), int(row["seq"]))
+    if phase == "forward" and tensor.startswith("input") and isinstance(parent, str):
+        pcall = call_of(step_df, parent, int(row["micro_step"]), int(row["seq"]))
         return parent, _type_of(step_df, parent), pcall, tensor
     if phase == "backward":
         owners = step_df[(step_df["event"] == row["event"])].sort_values("seq")
@@ -311,85 +201,15 @@ def _producer(step_df: pd.DataFrame, row: pd.Series) -> tuple[str, str, int, str
         first = owners.iloc[0] if len(owners) else row
         p = first["parent"]
         if isinstance(p, str):
-            pcall = _call_of(step_df, p, int(first["micro_step"]), int(first["seq"]))
+            pcall = call_of(step_df, p, int(first["micro_step"]), int(first["seq"]))
             return p, _type_of(step_df, p), pcall, str(first["tensor"])
     return module, mtype, call, tensor
 
 
-def torch_builtin(module: Any) -> bool:
-    """True when ``module``'s class runs torch's own ``forward`` (``type(module).forward`` is defined in a
-    ``torch.*`` module): ``nn.Linear`` and ``class MyLinear(nn.Linear): pass`` are, a hand-written class named
-    ``Linear`` or ``LayerNorm`` is not."""
-    fwd = getattr(type(module), "forward", None)
-    return str(getattr(fwd, "__module__", "") or "").split(".", 1)[0] == "torch"
-
-
-def hunt_hint(
-    step_df: pd.DataFrame,
-    row: pd.Series,
-    fields: dict[str, Any],
-    raw_kind: str,
-    op: str | None,
-    builtin: Callable[[str], bool | None] | None = None,
-) -> str:
-    """A sentence pointing to ``nantrace.hunt`` when module hooks cannot name the op, else ``""``.
-
-    Rule (forward and backward overflows only), any of:
-
-    * *internal*: the forward drill-down named an op whose kind is not the kind at the module's output (e.g. a
-      ``matmul`` inf that the module returned as NaN);
-    * *container*: at least one traced submodule ran inside the module in this step, so its own code between
-      them holds ops that module hooks cannot tell apart;
-    * *hand-written*: the module's class does not run torch's own ``forward``, so its forward (and backward)
-      is the user's own sequence of ops. With the live model (``builtin``: the recording Trace resolves the
-      reported name to the module, :func:`torch_builtin`) that is judged by where ``type(m).forward`` is
-      defined, so a subclass ``class MyLinear(nn.Linear): pass`` is built-in and a hand-written class named
-      ``Linear`` is not. Without it (a loaded trace, a model gone) by the class name: ``module_type`` is
-      not a name of a ``torch.nn`` module class.
-
-    So only a built-in ``torch.nn`` leaf layer (``Linear``, ``Conv2d``, ``Embedding``...) whose output held the
-    kind its op made is reported without the hint: the layer is the answer.
-    """
-    phase, module = fields["phase"], str(fields["module"])
-    if phase not in ("forward", "backward"):
-        return ""
-    prefix = f"{module}." if module else ""
-    names = step_df["module"].astype(str).unique()
-    n_sub = sum(1 for n in names if n != module and n.startswith(prefix))
-    internal = phase == "forward" and op is not None and int(row[f"n_{raw_kind}"]) == 0
-    mtype = str(fields["module_type"])
-    is_builtin = builtin(module) if builtin is not None else None
-    if is_builtin is None:
-        layer = getattr(torch.nn, mtype, None)
-        is_builtin = isinstance(layer, type) and issubclass(layer, torch.nn.Module)
-    if not internal and n_sub == 0 and is_builtin:
-        return ""
-    name = f"`{module}`" if module else "the root model"
-    what = {"nan": "NaN", "posinf": "+inf", "neginf": "-inf"}[raw_kind]
-    if internal:
-        why = f"the {what} was made inside {name} by `{op}` and never reached its output"
-    elif n_sub:
-        why = f"{name} has {n_sub} traced submodule(s), and the ops of its own code between them are not seen one by one"
-    else:
-        why = f"{name} is hand-written code ({mtype}), a sequence of ops"
-
-    how = (
-        f'; or trace again with capture="{module}" and hunt the saved call: ov.save_repro(path), then '
-        "nantrace.hunt(nantrace.load_repro(path).run)"
-        if phase == "forward"
-        else ": it names the backward op and the forward line it belongs to"
-    )
-    also = ' (kind="nan" for the op that made the NaN itself)' if fields["kind"] == "nan" else ""
-    return (
-        f" To name the exact op and source line ({why}), run this step under nantrace.hunt(step_fn){also}, "
-        f"which is slow: every op is checked{how}."
-    )
-
-
-def overflow_fields(row: pd.Series, raw_kind: str, producer: tuple[str, str, int, str]) -> dict[str, Any]:
-    """The :class:`Overflow` fields (without ``message``/``rank``) of the record ``row`` holding ``raw_kind``
-    (``"nan"``, ``"posinf"``, ``"neginf"``), attributed to ``producer`` = ``(module, module_type, call, tensor)``."""
-    module, mtype, call, tensor = producer
+def overflow_fields(row: pd.Series, raw_kind: str, who: tuple[str, str, int, str]) -> dict[str, Any]:
+    """The :class:`~nantrace.Overflow` fields ``step .. dtype`` of the record ``row`` holding ``raw_kind``,
+    attributed to ``who`` = ``(module, module_type, call, tensor)``."""
+    module, mtype, call, tensor = who
     return dict(
         step=int(row["step"]),
         micro_step=int(row["micro_step"]),
@@ -403,95 +223,106 @@ def overflow_fields(row: pd.Series, raw_kind: str, producer: tuple[str, str, int
     )
 
 
-def _candidates(records: pd.DataFrame, wanted: tuple[str, ...]) -> pd.Series:
-    """Steps holding any wanted kind (cheap vectorised pre-filter)."""
+def _candidates(records: pd.DataFrame, wanted: tuple[str, ...], ops: pd.DataFrame | None) -> list[int]:
+    """Steps holding any wanted kind, or a drill-down op of one (cheap vectorised pre-filter)."""
     hit = np.zeros(len(records), dtype=bool)
     for k in wanted:
         hit |= records[f"n_{k}"].to_numpy() > 0
-    return pd.Series(np.unique(records["step"].to_numpy()[hit]))
-
-
-def _find(
-    records: pd.DataFrame,
-    kind: str | None,
-    steps: pd.DataFrame | None,
-    first_only: bool,
-    ops: pd.DataFrame | None = None,
-    world_size: int | None = None,
-    per_rank: bool = False,
-    builtin: Callable[[str], bool | None] | None = None,
-) -> list[Overflow]:
-    from ._report import explain
-
-    wanted = _wanted(kind)
-    found: list[Overflow] = []
-    if len(records) == 0:
-        return found
-    rank = int(records["rank"].iloc[0]) if "rank" in records.columns else 0
-    reduced = "reduced" in records.columns and bool(records["reduced"].to_numpy(dtype=bool).any())
-    if "rank" in records.columns and (reduced or bool((records["rank"] != rank).any())):
-        from ._dist import find_across_ranks  # several ranks, or reduced gradients: the cross-rank rules
-
-        return find_across_ranks(records, wanted, steps, first_only, ops, world_size, per_rank)
-    candidates = set(_candidates(records, wanted).tolist())
+    steps = set(np.unique(records["step"].to_numpy()[hit]).tolist())
     if ops is not None and len(ops):
-        candidates |= set(ops.loc[ops["kind"].isin(wanted), "step"].tolist())
-    for step in sorted(candidates):
-        step_df = records[records["step"] == step]
-        step_ops = ops[ops["step"] == step] if ops is not None and len(ops) else None
-        hit = _first_in_step(step_df, wanted, step_ops)
-        if hit is None:
-            continue
-        row, k, op = hit
-        fields = overflow_fields(row, k, _producer(step_df, row))
-        message = explain(records, step_df, row, fields, k, steps, op)
-        message += hunt_hint(step_df, row, fields, k, op, builtin)
-        found.append(Overflow(**fields, message=message, rank=rank))
-        if first_only:
+        steps |= set(ops.loc[ops["kind"].isin(wanted), "step"].tolist())
+    return sorted(int(s) for s in steps)
+
+
+def _rank_of(df: pd.DataFrame | None, rank: int, multi: bool) -> pd.DataFrame | None:
+    if df is None or not multi or "rank" not in df.columns or not len(df):
+        return df
+    return df[df["rank"].to_numpy() == rank]
+
+
+def rank_events(
+    records: pd.DataFrame, wanted: tuple[str, ...], ops: pd.DataFrame | None = None
+) -> dict[int, list[Event]]:
+    """Per step: every rank's first producer (local rows), or its first received value (reduced rows only)."""
+    out: dict[int, list[Event]] = {}
+    if not len(records):
+        return out
+    if "reduced" not in records.columns:
+        records = records.assign(reduced=False)
+    if "rank" not in records.columns:
+        records = records.assign(rank=0)
+    ranks = sorted(int(r) for r in pd.unique(records["rank"]))
+    multi = len(ranks) > 1
+    for r in ranks:
+        rec_r = records[records["rank"].to_numpy() == r] if multi else records
+        ops_r = _rank_of(ops, r, "rank" in (ops.columns if ops is not None else ()))
+        for step in _candidates(rec_r, wanted, ops_r):
+            ev = _step_event(rec_r, step, wanted, ops_r, r)
+            if ev is not None:
+                out.setdefault(step, []).append(ev)
+    return out
+
+
+def _step_event(
+    rec_r: pd.DataFrame, step: int, wanted: tuple[str, ...], ops_r: pd.DataFrame | None, rank: int
+) -> Event | None:
+    step_all = rec_r[rec_r["step"].to_numpy() == step]
+    reduced = step_all["reduced"].to_numpy(dtype=bool)
+    step_local = step_all[~reduced]
+    step_ops = ops_r[ops_r["step"] == step] if ops_r is not None and len(ops_r) else None
+    hit = first_in_step(step_local, wanted, step_ops) if len(step_local) else None
+    red_hit = first_in_step(step_all[reduced], wanted) if reduced.any() else None
+    received = False
+    if red_hit is not None and (hit is None or str(hit[0]["phase"]) == "optimizer"):
+        # nothing local before the reduction: what the rank holds came through it (parameters that
+        # optimizer.step() made non-finite from a non-finite reduced gradient were not produced here)
+        hit, received = red_hit, True
+    if hit is None:
+        return None
+    row, k, op = hit
+    who = (
+        (str(row["module"]), str(row["module_type"]), int(row["call"]), str(row["tensor"]))
+        if received
+        else producer(step_local, row)
+    )
+    return Event(overflow_fields(row, k, who), k, op, row, step_local, rank, received)
+
+
+def find(
+    records: pd.DataFrame,
+    wanted: tuple[str, ...],
+    ops: pd.DataFrame | None,
+    *,
+    world_size: int | None,
+    first_only: bool,
+    per_rank: bool = False,
+) -> list[Finding]:
+    """The locator over records of one or more ranks (ordering rule in the module docstring).
+
+    ``per_rank=False``: for each step, the first producer across ranks; ``per_rank=True``: for each step,
+    every rank's own first non-finite value (``received`` where the rank only received it)."""
+    events = rank_events(records, wanted, ops)
+    ranks = sorted(int(r) for r in pd.unique(records["rank"])) if len(records) and "rank" in records else [0]
+    complete = len(ranks) == world_size if world_size is not None else len(ranks) > 1
+    n = len(ranks)
+    found: list[Finding] = []
+    for step in sorted(events):
+        evs = sorted(events[step], key=lambda e: e.key)
+        holders = tuple(e.rank for e in evs)
+        if per_rank:
+            mine = sorted(evs, key=lambda e: e.rank)
+            made = complete and all(e.received for e in evs)
+            for i, e in enumerate(mine):
+                how = "reduction" if made and i == 0 else ("received" if e.received else "produced")
+                found.append(Finding(e, how, holders if how == "reduction" else (), n))
+        else:
+            produced = [e for e in evs if not e.received]
+            if produced:
+                got = tuple(e.rank for e in evs if e.received)
+                found.append(Finding(produced[0], "produced", got, n))
+            else:
+                first = min(evs, key=lambda e: e.rank)
+                found.append(Finding(first, "reduction" if complete else "received", holders, n))
+        if first_only and found:
             break
     return found
-
-
-def locate(
-    records: pd.DataFrame,
-    kind: str | None = None,
-    steps: pd.DataFrame | None = None,
-    ops: pd.DataFrame | None = None,
-    world_size: int | None = None,
-    builtin: Callable[[str], bool | None] | None = None,
-) -> Overflow | None:
-    """The first producer of a non-finite value in ``records`` (``None`` when there is none).
-
-    ``builtin(module_name)``: whether that module runs torch's own ``forward`` (``None``: unknown), for the
-    hunt hint (:func:`hunt_hint`); the recording Trace passes one that looks at the live model.
-
-    With rows of several ranks (``records["rank"]``) or reduced gradients, the cross-rank rules of
-    ``nantrace._dist`` apply; ``world_size`` says how many ranks the run had (``None``: the ranks present).
-
-    Raises:
-        ValueError: ``kind`` is not ``None``, ``"inf"`` or ``"nan"``.
-    """
-    found = _find(records, kind, steps, True, ops, world_size, builtin=builtin)
-    return found[0] if found else None
-
-
-def overflows(
-    records: pd.DataFrame,
-    kind: str | None = None,
-    steps: pd.DataFrame | None = None,
-    ops: pd.DataFrame | None = None,
-    world_size: int | None = None,
-    per_rank: bool = False,
-    builtin: Callable[[str], bool | None] | None = None,
-) -> pd.DataFrame:
-    """One row per step that saw a non-finite value: that step's first producer (columns of :class:`Overflow`
-    plus ``message``). ``per_rank=True``: one row per (step, rank) instead, each rank's own first non-finite
-    value (``propagated`` where the rank only received it through the gradient reduction)."""
-    found = _find(records, kind, steps, False, ops, world_size, per_rank, builtin)
-    cols = [*OVERFLOW_COLUMNS, "message"]
-    df = pd.DataFrame([{**o.to_dict(), "message": o.message} for o in found], columns=cols)
-    if len(df):
-        ints = ["step", "micro_step", "call", "rank"]
-        df[ints] = df[ints].astype("int64")
-        df["propagated"] = df["propagated"].astype(bool)
-    return df

@@ -62,9 +62,14 @@ from torch.nn.modules import module as _module
 from torch.optim import optimizer as _optimizer
 from torch.utils.hooks import RemovableHandle
 
-from ._dist import PART_RE
+from ._errors import NantraceError
 from ._hooks import in_backward
-from ._trace import _ACTIVE, NantraceError, Trace, check_trace_options
+from ._options import TraceOptions
+from ._procgroup import PART_RE
+from ._recording import Recording, tracing
+from ._report import print_report
+from ._trace import Trace, trace_of
+from ._tree import flatten
 
 __all__ = ["EXIT_INTERRUPTED", "RunResult", "run_script", "trace_file_name"]
 
@@ -100,8 +105,6 @@ class RunResult:
 
 def _reachable_params(loss: Any) -> set[int]:
     """ids of the leaf tensors (parameters) the autograd graph of ``loss`` reaches; pure Python, no device read."""
-    from ._hooks import flatten
-
     seen: set[int] = set()
     out: set[int] = set()
     todo = [t.grad_fn for _, t in flatten(loss, "loss") if t.grad_fn is not None]
@@ -120,9 +123,10 @@ def _reachable_params(loss: Any) -> set[int]:
 class _Session:
     """The global hooks and class patches of one ``nantrace run``; ``with`` installs and removes them."""
 
-    def __init__(self, trace_options: dict[str, Any]) -> None:
+    def __init__(self, trace_options: TraceOptions) -> None:
         self.options = trace_options
-        self.traces: list[tuple[str, Trace]] = []
+        self.traces: list[tuple[str, Recording]] = []
+        self.facades: dict[str, Trace] = {}
         self.classes: dict[str, str] = {}
         self.notes: list[str] = []
         self.depth = 0
@@ -158,7 +162,7 @@ class _Session:
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")  # "recorded nothing" cannot happen for a called root
-                        tr.__exit__(None, None, None)
+                        tr.exit(failed=False)
                 except Exception as e:  # pragma: no cover - a trace that cannot close still gets reported
                     self.notes.append(f"closing a trace failed: {type(e).__name__}: {e}")
         finally:
@@ -201,14 +205,14 @@ class _Session:
         self._wrap(torch.Tensor, "backward", after=None, before=self._on_backward)
 
     def _on_backward(self, loss: torch.Tensor) -> None:
-        takers = [t for _, t in self.traces if t._scaler is None and t._rec.active]
+        takers = [t for _, t in self.traces if t.scaler is None and t.active]
         if not takers or loss.grad_fn is None or not loss.is_floating_point():
             return
         if len(self.traces) > 1:
             reached = _reachable_params(loss)
-            takers = [t for t in takers if any(id(p) in reached for p in t._root.parameters())]
+            takers = [t for t in takers if any(id(p) in reached for p in t.root.parameters())]
         for t in takers:
-            t._record_loss(loss)
+            t.record_loss(loss)
 
     # ------------------------------------------------------------------ guarded entry points
     def _guard(self, fn: Callable[..., None], *args: Any) -> None:
@@ -225,9 +229,9 @@ class _Session:
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if self.depth == 0 and module not in self.handled and not in_backward():
-            if module not in _ACTIVE:
+            if tracing(module) is None:
                 self._guard(self._maybe_root, module, args, _caller_kwargs())
-            elif all(_ACTIVE.get(module) is not tr for _, tr in self.traces):
+            elif all(tracing(module) is not tr for _, tr in self.traces):
                 self._guard(self._self_traced, module)
         self.depth += 1
 
@@ -260,29 +264,30 @@ class _Session:
 
     # ------------------------------------------------------------------ roots
     def _maybe_root(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if module in self.handled or module in _ACTIVE:
+        if module in self.handled or tracing(module) is not None:
             return
         if next(module.parameters(), None) is None:
             self.handled.add(module)  # a loss or activation module, not a model
             return
         name = self._name(module)
-        if any(m in _ACTIVE for m in module.modules()):
+        if any(tracing(m) is not None for m in module.modules()):
             self.handled.add(module)
             self.notes.append(
                 f"`{name}` ({type(module).__name__}) was not traced: it contains a model that is already traced"
             )
             return
         try:
-            tr = Trace(module, **self.options)
+            tr = Recording(module, scaler=None, optimizer=None, options=self.options)
         except ValueError as e:  # modules= matched nothing in this root
             self.handled.add(module)
             self.notes.append(f"`{name}` ({type(module).__name__}) was not traced: {e}")
             return
         scaler = self._latest_scaler()
-        tr.__enter__()
-        self.handled.add(module)  # a wrapper root (DDP) is not in _ACTIVE: the model it wraps is
+        tr.enter()
+        self.handled.add(module)  # a wrapper root (DDP) is not hooked itself: the model it wraps is
         tr.options["name"] = name
         self.traces.append((name, tr))
+        self.facades[name] = trace_of(tr)
         self.classes[name] = type(module).__name__
         for ref in self.optimizers:
             opt = ref()
@@ -291,11 +296,7 @@ class _Session:
         if scaler is not None:
             self._bind_scaler(tr, scaler)
         # Hooks registered inside a module call do not run for that call: run the root's pre-hook ourselves.
-        pre = next(
-            (module._forward_pre_hooks[h.id] for h in tr._handles if h.id in module._forward_pre_hooks), None
-        )
-        if pre is not None:
-            pre(module, args, kwargs)
+        tr.run_pre_hook(module, args, kwargs)
 
     def _name(self, module: nn.Module) -> str:
         base = type(module).__name__.lower()
@@ -318,8 +319,8 @@ class _Session:
     def _bind_optimizer(self, opt: torch.optim.Optimizer) -> None:
         ids = {id(p) for g in opt.param_groups for p in g["params"]}
         for _, tr in self.traces:
-            if tr._optimizer is None and not tr._closed and any(id(p) in ids for p in tr._root.parameters()):
-                tr._bind(optimizer=opt)
+            if tr.optimizer is None and not tr.closed and any(id(p) in ids for p in tr.root.parameters()):
+                tr.bind(optimizer=opt)
 
     def _latest_scaler(self) -> torch.amp.GradScaler | None:
         for ref in reversed(self.scalers):
@@ -330,18 +331,18 @@ class _Session:
 
     def _bind_late_scaler(self, scaler: torch.amp.GradScaler) -> None:
         for _, tr in self.traces:
-            if tr._scaler is None and not tr._closed:
+            if tr.scaler is None and not tr.closed:
                 self._bind_scaler(tr, scaler)
 
-    def _bind_scaler(self, tr: Trace, scaler: torch.amp.GradScaler) -> None:
-        tr._bind(scaler=scaler)
-        sharing = [t for _, t in self.traces if t._scaler is scaler]
+    def _bind_scaler(self, tr: Recording, scaler: torch.amp.GradScaler) -> None:
+        tr.bind(scaler=scaler)
+        sharing = [t for _, t in self.traces if t.scaler is scaler]
         if len(sharing) > 1:
             for t in sharing:
-                t._loss_filter = self._loss_filter_for(t)
+                t.loss_filter = self._loss_filter_for(t)
 
-    def _loss_filter_for(self, tr: Trace) -> Callable[[Any], bool]:
-        root = tr._root
+    def _loss_filter_for(self, tr: Recording) -> Callable[[Any], bool]:
+        root = tr.root
 
         def accepts(loss: Any) -> bool:
             ref, reached = self._loss_cache
@@ -458,17 +459,15 @@ def run_script(
     args: Sequence[str] = (),
     *,
     out: str | os.PathLike[str],
-    modules: Any = None,
-    phases: Sequence[str] | None = None,
-    sync_free: bool | None = None,
-    drill: bool = True,
-    every: int = 1,
+    options: TraceOptions | None = None,
+    **trace_options: Any,
 ) -> RunResult:
     """Run ``script`` with ``args`` as ``python script args`` would, tracing every root model it calls, and save
     one trace per root in ``out`` (see the module docstring for roots, names and files).
 
-    The trace options are those of :func:`nantrace.trace`; they apply to every root. A root that a ``modules``
-    filter matches nothing of is left untraced, with a note.
+    The trace options (``options``, or the keyword options of :func:`nantrace.trace` such as ``modules=``,
+    ``phases=``, ``every=``) apply to every root. A root that a ``modules`` filter matches nothing of is left
+    untraced, with a note.
 
     Args:
         script: path of the Python script.
@@ -490,29 +489,20 @@ def run_script(
     out_dir = Path(os.path.abspath(out))  # the script may chdir
     if not out_dir.is_dir() or not os.access(out_dir, os.W_OK):
         raise NantraceError(f"out {str(out_dir)!r} is not an existing writable directory; create it first")
-    options: dict[str, Any] = {
-        "modules": modules,
-        "phases": None if phases is None else list(phases),
-        "sync_free": sync_free,
-        "drill": drill,
-        "every": every,
-    }
-    check_trace_options(**options)  # before the script runs
-    with _Session(options) as session:
+    opts = options if options is not None else TraceOptions(**trace_options)  # checked before the script runs
+    with _Session(opts) as session:
         code = _exec(path, args)
     paths: dict[str, Path] = {}
-    for i, (name, tr) in enumerate(session.traces):
+    for i, (name, _) in enumerate(session.traces):
         try:
-            paths[name] = tr.save(out_dir / trace_file_name(i, name))
+            paths[name] = session.facades[name].save(out_dir / trace_file_name(i, name))
         except (OSError, ValueError) as e:
             session.notes.append(f"saving the trace of `{name}` failed: {e}")
-    return RunResult(code, dict(session.traces), paths, dict(session.classes), session.notes)
+    return RunResult(code, dict(session.facades), paths, dict(session.classes), session.notes)
 
 
 def print_run_report(result: RunResult, file: TextIO) -> None:
     """The report and diagnosis of every traced root, to ``file`` (the CLI uses stderr)."""
-    from .cli import print_report
-
     print(file=file)
     if not result.traces:
         why = "." if result.notes else ": the script called no nn.Module with parameters."

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 
+from ._schema import N_STATS, STAT_NAMES
+
 __all__ = [
     "N_STATS",
     "STAT_NAMES",
@@ -45,17 +47,6 @@ __all__ = [
     "tensor_kinds",
 ]
 
-STAT_NAMES: tuple[str, ...] = (
-    "min",
-    "max",
-    "absmax",
-    "absmin",
-    "n_nan",
-    "n_posinf",
-    "n_neginf",
-    "n_zero",
-)
-N_STATS = len(STAT_NAMES)
 
 _INF = float("inf")
 _NAN = float("nan")

@@ -20,59 +20,18 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ._stats import N_STATS, STAT_NAMES
+from ._schema import META_COLUMNS, N_STATS, PHASES, RECORD_COLUMNS, STAT_NAMES, STEP_COLUMNS
 
-__all__ = ["PHASES", "RECORD_COLUMNS", "STEP_COLUMNS", "Interner", "Store", "to_host"]
-
-PHASES: tuple[str, ...] = ("data", "forward", "loss", "backward", "optimizer")
-PHASE_CODE = {p: i for i, p in enumerate(PHASES)}
-
-RECORD_COLUMNS: tuple[str, ...] = (
-    "step",
-    "micro_step",
-    "seq",
-    "phase",
-    "module",
-    "module_type",
-    "call",
-    "tensor",
-    "dtype",
-    "shape",
-    "numel",
-    *STAT_NAMES,
-    "scale",
-    # extensions of the design contract (extra columns, same meanings for the rest):
-    "parent",  # enclosing module of the call that recorded this tensor ("" = root; None for the root itself)
-    "arg",  # the forward parameter name an input tensor was passed as, when known
-    "event",  # rows sharing one tensor value (an output that is also the next module's input) share this id
-    "rank",  # torch.distributed rank that recorded the row (0 without a process group)
-    "reduced",  # a parameter gradient after the cross-rank reduction (DDP all-reduce, FSDP reduce-scatter)
-)
-
-STEP_COLUMNS: tuple[str, ...] = (
-    "step",
-    "loss",
-    "scale",
-    "next_scale",
-    "skipped",
-    "growth_tracker",
-    "lr",
-    "grad_norm",
-    "n_nonfinite",
-    "micro_steps",
-    "n_records",
-    "rank",  # extension: torch.distributed rank (0 without a process group)
-)
-
-# one row of hook metadata: the identifying columns of RECORD_COLUMNS (up to numel), then internal fields
-_META: tuple[str, ...] = (
-    *RECORD_COLUMNS[: RECORD_COLUMNS.index("numel") + 1],
-    "is_grad",
-    "parent",
-    "arg",
-    "event",
-    "reduced",
-)
+__all__ = [
+    "Interner",
+    "PendingStep",
+    "StepRows",
+    "Store",
+    "canonical_records",
+    "canonical_steps",
+    "category_index",
+    "to_host",
+]
 
 
 def to_host(tensors: Sequence[torch.Tensor]) -> np.ndarray:
@@ -208,7 +167,7 @@ class StepRows:
             v = row[c]
             a.append(math.nan if v is None else float(v))
 
-    def _row(self, i: int) -> dict[str, Any]:
+    def row(self, i: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for c, a in self.cols.items():
             v = a[i]
@@ -223,10 +182,14 @@ class StepRows:
         return out
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return (self._row(i) for i in range(len(self)))
+        return (self.row(i) for i in range(len(self)))
+
+    def since(self, start: int) -> list[dict[str, Any]]:
+        """The rows from index ``start`` on, as dicts."""
+        return [self.row(i) for i in range(start, len(self))]
 
     def head(self, count: int) -> list[dict[str, Any]]:
-        return [self._row(i) for i in range(min(count, len(self)))]
+        return [self.row(i) for i in range(min(count, len(self)))]
 
     def replace_head(self, count: int, row: dict[str, Any]) -> None:
         """Replace the first ``count`` rows by ``row``."""
@@ -272,7 +235,7 @@ class Store:
 
     # ----------------------------------------------------------------- recording (hot path)
     def add(self, meta: tuple[int, ...], stats: torch.Tensor | tuple[float, ...]) -> None:
-        """Append one row; ``meta`` follows ``_META`` (codes for categorical fields, -1 for None)."""
+        """Append one row; ``meta`` follows ``META_COLUMNS`` (codes for categorical fields, -1 for None)."""
         self.pending_meta.append(meta)
         self.pending_stats.append(stats)
 
@@ -399,9 +362,9 @@ class Store:
         self._steps = None
 
     def _columns(self, m: np.ndarray, mat: np.ndarray, scale: float) -> dict[str, np.ndarray]:
-        col = {name: m[:, i] for i, name in enumerate(_META)}
+        col = {name: m[:, i] for i, name in enumerate(META_COLUMNS)}
         out: dict[str, np.ndarray] = {
-            name: _smallest_int(col[name]) for name in _META if name not in ("is_grad", "reduced")
+            name: _smallest_int(col[name]) for name in META_COLUMNS if name not in ("is_grad", "reduced")
         }
         out["is_grad"] = col["is_grad"].astype(bool)
         out["reduced"] = col["reduced"].astype(bool)
@@ -440,7 +403,7 @@ class Store:
         if not self.chunks:
             return
         table = pa.Table.from_pandas(
-            self._frame(self.chunks, plain=True), schema=_stream_schema(), preserve_index=False
+            self.frame(self.chunks, plain=True), schema=_stream_schema(), preserve_index=False
         )
         if self.writer is None:
             target = self.stream_path
@@ -464,7 +427,7 @@ class Store:
             self.writer_schema = _stream_schema()
             fd_path = self.stream_path
             empty = pa.Table.from_pandas(
-                self._frame([], plain=True), schema=_stream_schema(), preserve_index=False
+                self.frame([], plain=True), schema=_stream_schema(), preserve_index=False
             )
             import tempfile
 
@@ -485,17 +448,17 @@ class Store:
     def records(self) -> pd.DataFrame:
         """All flushed rows in memory as a DataFrame with the columns :data:`RECORD_COLUMNS`."""
         if self._records is None:
-            self._records = self._frame(self.chunks, plain=False)
+            self._records = self.frame(self.chunks, plain=False)
         return self._records
 
-    def _frame(self, chunks: list[dict[str, np.ndarray]], *, plain: bool) -> pd.DataFrame:
+    def frame(self, chunks: list[dict[str, np.ndarray]], *, plain: bool) -> pd.DataFrame:
         """Rows of ``chunks`` as a DataFrame: categoricals and int64 integer columns (the chunks keep the
         smallest int dtypes), or (``plain``) strings and the fixed dtypes of the stream file's schema."""
         if chunks:
             keys = chunks[0].keys()
             cat = {k: np.concatenate([c[k] for c in chunks]) for k in keys}
         else:
-            cat = self._columns(np.zeros((0, len(_META)), dtype=np.int64), np.zeros((0, N_STATS)), 1.0)
+            cat = self._columns(np.zeros((0, len(META_COLUMNS)), dtype=np.int64), np.zeros((0, N_STATS)), 1.0)
 
         def categorical(codes: np.ndarray, values: list[str]) -> Any:
             codes = codes.astype(np.int64)

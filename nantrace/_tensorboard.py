@@ -18,7 +18,7 @@ marker of the absmax value: it is 1.0 at a step where the module's outputs held 
 themselves are written as they are (NaN, +inf or -inf), so a program reading the event file sees the truth:
 ``absmax/<module>`` is +inf where the outputs held ±inf, else the absmax of their finite values (NaN elements
 never raise it: outputs holding NaN only show a finite absmax with the marker at 1.0, or NaN when no value was
-finite); ``headroom_bits/<module>`` is -inf where absmax is +inf (as in :func:`nantrace._report.headroom_table`)
+finite); ``headroom_bits/<module>`` is -inf where absmax is +inf (as in :func:`nantrace._ranges.headroom_table`)
 and is not written where absmax is 0 (an all-zero output has no defined headroom) or NaN.
 
 Each export to a directory adds a new event file (a writer given in is written to as it is): exporting the same
@@ -41,28 +41,28 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-if TYPE_CHECKING:
-    from ._trace import Trace
+from ._explain import first_overflow
+from ._schema import FP16_MAX
+from ._view import RunView
 
-__all__ = ["ROOT_TAG", "write_tensorboard"]
+__all__ = ["MISSING_TENSORBOARD", "ROOT_TAG", "summary_writer_class", "write_tensorboard"]
 
-FP16_MAX = 65504.0  # torch.finfo(torch.float16).max
 ROOT_TAG = "(root)"
 
-_MISSING = 'TensorBoard export needs the tensorboard package, which is not installed: pip install "nantrace[tensorboard]"'
+MISSING_TENSORBOARD = 'TensorBoard export needs the tensorboard package, which is not installed: pip install "nantrace[tensorboard]"'
 
 
-def _summary_writer_class() -> Any:
+def summary_writer_class() -> Any:
     try:
         import tensorboard  # noqa: F401  (torch.utils.tensorboard fails late and vaguely without it)
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
-        raise ImportError(_MISSING) from e
+        raise ImportError(MISSING_TENSORBOARD) from e
     return SummaryWriter
 
 
@@ -119,13 +119,13 @@ def module_scalars(records: pd.DataFrame) -> pd.DataFrame:
 
 
 def write_tensorboard(
-    tr: Trace, logdir_or_writer: str | os.PathLike[str] | Any, *, tag_prefix: str = "nantrace"
+    view: RunView, logdir_or_writer: str | os.PathLike[str] | Any, *, tag_prefix: str = "nantrace"
 ) -> Path | None:
-    """Write ``tr``'s per-step scalars and per-module absmax/headroom to TensorBoard; see the module docstring
+    """Write ``view``'s per-step scalars and per-module absmax/headroom to TensorBoard; see the module docstring
     for every tag and how non-finite values are marked.
 
     Args:
-        tr: a recording or loaded :class:`~nantrace.Trace` (inside ``with``, the steps closed so far).
+        view: the run view of a recording or loaded trace (inside ``with``, the steps closed so far).
         logdir_or_writer: a directory (created if needed; a new event file is written in it and closed), or an
             open ``torch.utils.tensorboard.SummaryWriter`` (or any writer with ``add_scalar``/``add_text``),
             which is flushed and left open.
@@ -153,7 +153,7 @@ def write_tensorboard(
             raise ValueError(
                 f"logdir {str(logdir)!r} exists and is not a directory; give a directory for the event file"
             )
-        writer_cls = _summary_writer_class()
+        writer_cls = summary_writer_class()
         try:
             logdir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -170,7 +170,7 @@ def write_tensorboard(
             f"{logdir_or_writer!r:.80}"
         )
     try:
-        _write(tr, writer, tag_prefix)
+        _write(view, writer, tag_prefix)
     finally:
         if own:
             writer.close()
@@ -179,10 +179,10 @@ def write_tensorboard(
     return logdir
 
 
-def scalar_events(tr: Trace, p: str = "nantrace") -> dict[int, list[tuple[str, float]]]:
+def scalar_events(view: RunView, p: str = "nantrace") -> dict[int, list[tuple[str, float]]]:
     """Every scalar :func:`write_tensorboard` writes: ``{step: [(tag, value), ...]}``, steps ascending."""
-    steps = tr.steps
-    records = tr.records
+    steps = view.steps
+    records = view.records
     ids = steps["step"].astype(int).to_numpy()
     out: dict[int, list[tuple[str, float]]] = {int(s): [] for s in ids.tolist()}
     phase = records["phase"].astype(str)
@@ -217,8 +217,8 @@ def scalar_events(tr: Trace, p: str = "nantrace") -> dict[int, list[tuple[str, f
     return dict(sorted(out.items()))
 
 
-def _write(tr: Trace, writer: Any, p: str) -> None:
-    events = scalar_events(tr, p)
+def _write(view: RunView, writer: Any, p: str) -> None:
+    events = scalar_events(view, p)
     file_writer = getattr(writer, "_get_file_writer", None)
     if callable(file_writer):  # torch's SummaryWriter: one event per step holding all its scalars
         from tensorboard.compat.proto.summary_pb2 import Summary
@@ -232,6 +232,6 @@ def _write(tr: Trace, writer: Any, p: str) -> None:
         for s, pairs in events.items():
             for t, v in pairs:
                 writer.add_scalar(t, v, global_step=s)
-    ov = tr.first_overflow()
+    ov = first_overflow(view)
     if ov is not None and callable(getattr(writer, "add_text", None)):
         writer.add_text(f"{p}/first_overflow", str(ov), global_step=int(ov.step))

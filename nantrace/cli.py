@@ -16,9 +16,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
-
-import pandas as pd
+from typing import Any
 
 __all__ = ["main"]
 
@@ -27,7 +25,7 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a reader that 
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from ._version import __version__
 
     p = argparse.ArgumentParser(
         prog="nantrace",
@@ -186,78 +184,10 @@ def _make_out(out: Path) -> bool:
     return True
 
 
-def scale_history(steps: pd.DataFrame) -> str:
-    """'65536 (steps 0-2) → 32768 (step 3, skipped) → …' compressed runs of equal loss scale."""
-    if len(steps) == 0 or steps["scale"].isna().all():
-        return "no GradScaler (no loss scale recorded)"
-    parts: list[str] = []
-    scales = steps["scale"].tolist()
-    skipped = steps["skipped"].fillna(False).tolist()
-    ids = steps["step"].tolist()
-    i = 0
-    while i < len(scales):
-        j = i
-        while j + 1 < len(scales) and scales[j + 1] == scales[i]:
-            j += 1
-        span = f"step {ids[i]}" if i == j else f"steps {ids[i]}-{ids[j]}"
-        n_skip = sum(skipped[i : j + 1])
-        note = f", {n_skip} skipped" if n_skip else ""
-        parts.append(f"{scales[i]:g} ({span}{note})")
-        i = j + 1
-    if len(parts) > 8:
-        parts = [*parts[:4], f"… {len(parts) - 7} more …", *parts[-3:]]
-    return " → ".join(parts)
-
-
-def summary_lines(tr: Any) -> list[str]:
-    from ._report import lowest_rank_steps
-
-    every = tr.steps
-    st, low = lowest_rank_steps(every)  # a merged trace: each step once; loss and scale of the lowest rank
-    of_rank = "" if low is None else f" (rank {low})"
-    lines = [f"steps: {every['step'].nunique() if len(every) else 0}, records: {len(tr.records)}"]
-    if len(st):
-        skipped = sorted(set(every.loc[every["skipped"].fillna(False).astype(bool), "step"].tolist()))
-        lines.append(f"loss scale{of_rank}: {scale_history(st)}")
-        lines.append(
-            f"skipped steps ({len(skipped)}): {', '.join(map(str, skipped[:30]))}{' …' if len(skipped) > 30 else ''}"
-            if skipped
-            else "skipped steps: none"
-        )
-        loss = st["loss"].to_numpy()
-        finite = [v for v in loss if math.isfinite(v)]
-        if finite:
-            lines.append(f"loss{of_rank}: first {loss[0]:.4g}, last {loss[-1]:.4g}, min {min(finite):.4g}")
-    return lines
-
-
-def overflow_runs(ovs: pd.DataFrame) -> list[str]:
-    """Consecutive steps with the same first producer, one line each: 'steps 28-49  forward  `m` output inf'."""
-    lines: list[str] = []
-    rows = [tuple(r) for r in ovs[["step", "phase", "module", "tensor", "kind"]].itertuples(index=False)]
-    i = 0
-    while i < len(rows):
-        j = i
-        while j + 1 < len(rows) and rows[j + 1][1:] == rows[i][1:] and rows[j + 1][0] == rows[j][0] + 1:
-            j += 1
-        span = f"step {rows[i][0]}" if i == j else f"steps {rows[i][0]}-{rows[j][0]}"
-        _, phase, module, tensor, kind = rows[i]
-        lines.append(f"  {span:<13} {phase:<9} `{module}` {tensor} {kind}")
-        i = j + 1
-    return lines
-
-
-def _diagnosis_text(tr: Any) -> str | None:
-    diagnose = getattr(tr, "diagnose", None)
-    if diagnose is None:
-        return None
-    return str(diagnose())
-
-
 # ------------------------------------------------------------------------------------------- report
 def _load(path: Path) -> Any:
     from . import load
-    from ._trace import NantraceError
+    from ._errors import NantraceError
 
     try:  # load's warnings (e.g. a missing rank) become clean lines, not raw Python warnings
         with warnings.catch_warnings(record=True) as caught:
@@ -288,58 +218,10 @@ def _report(path: Path, tensorboard: Path | None = None) -> int:
             _err(f"--tensorboard: {e}")
             return EXIT_USAGE
         print(f"wrote TensorBoard scalars to {written}", file=sys.stderr)
+    from ._report import print_report
+
     ov = print_report(tr, path)
     return EXIT_OK if ov is None else EXIT_OVERFLOW
-
-
-def print_report(tr: Any, path: Path | None, file: TextIO | None = None) -> Any:
-    """Print the report of ``tr`` (saved at ``path``, if known) to ``file`` (default stdout): summary, first
-    overflow, steps with a non-finite value by first producer, and the diagnosis. Returns the first overflow."""
-    out = sys.stdout if file is None else file
-    ov = tr.first_overflow()
-    if path is not None:
-        print(f"trace: {path}", file=out)
-    if tr.header:
-        print(
-            f"model: {tr.header.get('model_class')}, nantrace {tr.header.get('nantrace')}, "
-            f"torch {tr.header.get('torch')}",
-            file=out,
-        )
-    else:
-        print(f"model: {tr._model_class}", file=out)
-    world, ranks = getattr(tr, "world_size", 1), getattr(tr, "ranks", [0])
-    summary_of = tr
-    if world > 1 and len(ranks) > 1:
-        shown = ov.rank if ov is not None else ranks[0]
-        print(
-            f"ranks: {', '.join(map(str, ranks))} of world size {world} (merged); summary of rank {shown}",
-            file=out,
-        )
-        summary_of = tr.rank_view(shown)
-    elif world > 1:
-        print(f"rank: {ranks[0]} of world size {world} (this rank's part only)", file=out)
-    for line in summary_lines(summary_of):
-        print(line, file=out)
-    print(file=out)
-    if ov is None:
-        print("first overflow: none: every recorded value was finite.", file=out)
-    else:
-        who = f"rank {ov.rank}, " if world > 1 else ""
-        got = " (received through the gradient reduction, not produced here)" if ov.propagated else ""
-        print(
-            f"first overflow: {who}step {ov.step}, {ov.phase}, module `{ov.module}` ({ov.module_type}), "
-            f"{ov.kind}{got}",
-            file=out,
-        )
-        print(f"  {ov}", file=out)
-        ovs = tr.overflows()
-        if len(ovs) > 1:
-            print(f"\nsteps with a non-finite value ({len(ovs)}), by first producer:", file=out)
-            print("\n".join(overflow_runs(ovs)), file=out)
-    diag = _diagnosis_text(tr)
-    if diag:
-        print(f"\n{diag}", file=out)
-    return ov
 
 
 # ------------------------------------------------------------------------------------------- plot
@@ -377,44 +259,38 @@ def _plot(path: Path, output: Path, what: str, step: int | None) -> int:
 
 # ------------------------------------------------------------------------------------------- run
 def _run(args: argparse.Namespace) -> int:
+    from ._options import TraceOptions
     from ._run import print_run_report, run_script
-    from ._store import PHASES
 
     script = str(args.script)
     if not os.path.isfile(script):
         _err(f"script {script!r} is not a file")
         return EXIT_USAGE
-    phases = None
-    if args.phases is not None:
-        phases = [p.strip() for p in args.phases.split(",") if p.strip()]
-        bad = [p for p in phases if p not in PHASES]
-        if bad or not phases:
-            _err(f"--phases {args.phases!r}: choose a comma-separated list from {','.join(PHASES)}")
-            return EXIT_USAGE
-    if args.every < 1:
-        _err(f"--every must be ≥ 1; got {args.every}")
+    try:  # the options are checked once, by the one options object
+        options = TraceOptions(
+            modules=args.modules,
+            phases=args.phases,
+            sync_free=True if args.sync_free else None,
+            drill=not args.no_drill,
+            every=args.every,
+        )
+    except (TypeError, ValueError) as e:
+        flag = next((f for f in ("phases", "every", "modules") if str(e).startswith(f)), None)
+        value = getattr(args, flag) if flag is not None else None
+        _err(f"--{flag} {value!r}: {e}" if flag is not None else str(e))
         return EXIT_USAGE
     if args.tensorboard is not None:
         try:
-            from ._tensorboard import _summary_writer_class
+            from ._tensorboard import summary_writer_class
 
-            _summary_writer_class()
+            summary_writer_class()
         except ImportError as e:
             _err(str(e))
             return EXIT_MISSING_EXTRA
     out: Path = args.out if args.out is not None else _new_out_dir("run")
     if not _make_out(out):
         return EXIT_USAGE
-    result = run_script(
-        script,
-        args.args,
-        out=out,
-        modules=args.modules,
-        phases=phases,
-        sync_free=True if args.sync_free else None,
-        drill=not args.no_drill,
-        every=args.every,
-    )
+    result = run_script(script, args.args, out=out, options=options)
     print_run_report(result, sys.stderr)
     if args.tensorboard is not None:
         several = len(result.traces) > 1
@@ -444,6 +320,7 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
 
     from . import trace
+    from ._report import overflow_runs, summary_lines
     from .examples.chargpt import DemoConfig, build, train_step
 
     if args.steps is not None and args.steps < 1:
@@ -503,7 +380,7 @@ def _demo(args: argparse.Namespace) -> int:
         ovs = tr.overflows()
         print(f"\nsteps with a non-finite value ({len(ovs)}), by first producer:")
         print("\n".join(overflow_runs(ovs)))
-    diag = _diagnosis_text(tr)
+    diag = str(tr.diagnose())
     if diag:
         print(f"\n{diag}")
     print()
@@ -536,7 +413,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bf16_note(tr: Any) -> None:
-    from ._report import FP16_MAX, headroom_table
+    from ._ranges import headroom_table
+    from ._schema import FP16_MAX
 
     hr = headroom_table(tr.records, top=10_000)  # forward activations only
     over = hr[hr["absmax"] > FP16_MAX]

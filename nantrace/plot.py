@@ -461,24 +461,27 @@ def _first_nonfinite(bad: pd.DataFrame) -> tuple[int, str] | None:
 
 def _ranks_note(records: object) -> str:
     """For records of several ranks (a merged trace, whose cells are the max over ranks): which rank produced
-    the first overflow, by the cross-rank locator (``nantrace._dist``); ``""`` for one rank."""
+    the first overflow, by the cross-rank locator (``nantrace._locate``); ``""`` for one rank."""
     if (
         not isinstance(records, pd.DataFrame)
         or "rank" not in records.columns
         or records["rank"].nunique() < 2
     ):
         return ""
-    from ._locate import locate
+    from ._locate import find
+    from ._schema import KINDS
 
     try:
-        ov = locate(records)
+        found = find(records, KINDS, None, world_size=None, first_only=True)
     except (KeyError, ValueError, TypeError):  # a frame without the locator's columns
         return ""
+    ov = found[0].event if found else None
     ranks = ", ".join(str(int(r)) for r in sorted(records["rank"].unique()))
     if ov is None:
         return f" (ranks {ranks} merged)"
-    where = "the model inputs" if ov.phase == "data" else f"'{_module_label(ov.module)}'"
-    return f" (ranks {ranks} merged);\nrank {ov.rank} produced the first overflow: step {ov.step}, {ov.phase}, {where}"
+    f = ov.fields
+    where = "the model inputs" if f["phase"] == "data" else f"'{_module_label(str(f['module']))}'"
+    return f" (ranks {ranks} merged);\nrank {ov.rank} produced the first overflow: step {f['step']}, {f['phase']}, {where}"
 
 
 def _cell_edges(centers: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import nantrace
-from nantrace import cli
+from nantrace import _report, cli
 
 
 def _saved(tmp_path: Path, overflow: bool) -> Path:
@@ -78,7 +78,7 @@ def test_scale_history_and_overflow_runs_are_compact() -> None:
             "skipped": pd.array([True, False, False, False], dtype="boolean"),
         }
     )
-    assert cli.scale_history(steps) == "65536 (step 0, 1 skipped) → 32768 (steps 1-3)"
+    assert _report.scale_history(steps) == "65536 (step 0, 1 skipped) → 32768 (steps 1-3)"
     ovs = pd.DataFrame(
         {
             "step": [0, 1, 5, 6, 7],
@@ -88,7 +88,7 @@ def test_scale_history_and_overflow_runs_are_compact() -> None:
             "kind": ["inf"] * 5,
         }
     )
-    assert cli.overflow_runs(ovs) == [
+    assert _report.overflow_runs(ovs) == [
         "  steps 0-1     backward  `head` weight.grad inf",
         "  steps 5-7     forward   `attn` output inf",
     ]

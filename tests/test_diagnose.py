@@ -1,6 +1,6 @@
 """Diagnosis (one exact cause per failure kind), fp16 readiness and run comparison, on tiny CPU models.
 
-Every cause of ``nantrace._diagnose.CAUSES`` has its own tiny case, and the CASES of CASES.md (rebuilt here)
+Every cause of ``nantrace._diagnosis.CAUSES`` has its own tiny case, and the CASES of CASES.md (rebuilt here)
 are diagnosed with the cause they stand for.
 """
 
@@ -19,9 +19,12 @@ from torch import nn
 
 import nantrace
 from nantrace._compare import Comparison, compare
-from nantrace._diagnose import CAUSES, READINESS_COLUMNS, Diagnosis, diagnose, fp16_readiness, update_ratios
+from nantrace._diagnosis import CAUSES, Diagnosis
+from nantrace._facts import update_ratios
+from nantrace._readiness import READINESS_COLUMNS, fp16_readiness
 
 Trace = nantrace.Trace
+diagnose = nantrace.Trace.diagnose
 
 
 def _cause(tr: Trace) -> str:
@@ -571,8 +574,10 @@ def test_diagnosis_str_html_escape_and_validation(tmp_path: Path) -> None:
     assert "evidence" in str(d) and "<b>&" in str(d)
     with pytest.raises(ValueError, match="cause"):
         Diagnosis("nan", None)
-    with pytest.raises(TypeError, match="Trace"):
-        diagnose(object())  # type: ignore[arg-type]
+    from nantrace import _diagnose
+
+    with pytest.raises(TypeError, match="run view"):
+        _diagnose.diagnose(object())  # type: ignore[arg-type]
     tr = _c14()
     d = diagnose(tr)
     assert d.to_dict()["overflow"]["module"] == "1"

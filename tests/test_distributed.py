@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import nantrace
-from nantrace._trace import module_names
+from nantrace._naming import module_names
 
 WORLD = 2
 STEPS = 4
@@ -157,7 +157,7 @@ def worker(rank: int, port: int, out: str) -> None:
         healthy = run(rank, "healthy", folder, stream=folder / "healthy_stream")
         if rank == 0:
             healthy.save(folder / "stale")  # ... then a healthy run into the same path, rank 1 not saving
-        info["run_id"] = {"nan_data": info_run_id(folder / "nan_data", rank), "healthy": healthy._run_id}
+        info["run_id"] = {"nan_data": info_run_id(folder / "nan_data", rank), "healthy": healthy._view().meta.run_id}
         live = run(rank, "nan_data", folder / "live", live_every=2)
         info["live"] = live.live_reports
         info["live_checks"] = live._live.checks if live._live is not None else None
@@ -170,7 +170,7 @@ def worker(rank: int, port: int, out: str) -> None:
 
 
 def info_run_id(folder: Path, rank: int) -> str:
-    from nantrace._io import read_header
+    from nantrace._format import read_header
 
     return str(read_header(folder / f"rank-{rank:05d}-of-{WORLD:05d}.nantrace")["run_id"])
 
@@ -399,7 +399,7 @@ def test_merged_diagnosis_of_a_received_value_names_the_producer_or_passes_a_bac
     tr = nantrace.load(runs / "nan_data")
     ov = tr.first_overflow()
     assert ov is not None and (ov.rank, ov.step, ov.phase) == (1, 2, "data")
-    d = _diagnose(tr.rank_view(0), [ov])
+    d = _diagnose(tr.rank_view(0)._view(), [ov])
     assert d.cause == "received" and d.overflow is not None and d.overflow.rank == 0
     assert d.summary == "Rank 0 received nan at step 2 through the gradient reduction; rank 1 produced it."
     assert d.evidence[-1] == (
@@ -409,7 +409,7 @@ def test_merged_diagnosis_of_a_received_value_names_the_producer_or_passes_a_bac
     backoff = replace(
         ov, phase="backward", module="fc1", module_type="Linear", tensor="weight.grad", kind="inf"
     )
-    assert _diagnose(tr.rank_view(0), [backoff]).cause == "scaler_backoff"  # step 2 skipped, step 3 trained
+    assert _diagnose(tr.rank_view(0)._view(), [backoff]).cause == "scaler_backoff"  # step 2 skipped, step 3 trained
 
 
 # ------------------------------------------------------------------------------------------------ (2) forward
@@ -437,7 +437,7 @@ def test_forward_overflow_on_rank0_only(runs: Path) -> None:
 
 def test_overflow_made_by_the_reduction_itself(runs: Path) -> None:
     """DDP's float16 compression hook: every rank's local gradients are finite float32, the reduced ones +inf."""
-    from nantrace._diagnose import _g  # the number format of the diagnosis text
+    from nantrace._fmt import num as _g  # the number format of the diagnosis text
 
     tr = nantrace.load(runs / "compress")
     rec = tr.records
@@ -528,7 +528,8 @@ def test_report_repr_and_plots_count_each_step_once_and_name_the_rank(
     runs: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from nantrace import plot
-    from nantrace.cli import main, summary_lines
+    from nantrace._report import summary_lines
+    from nantrace.cli import main
 
     tr = nantrace.load(runs / "nan_data")
     # step 2 was skipped on both ranks: one skipped step of 4, not 2 of 8
@@ -645,7 +646,7 @@ def test_live_every_is_validated() -> None:
 
 
 def test_part_target_conflicts(tmp_path: Path) -> None:
-    from nantrace._dist import part_target
+    from nantrace._procgroup import part_target
 
     f = tmp_path / "single.nantrace"
     f.write_bytes(b"x")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import nantrace
-from nantrace import _io
+from nantrace import _format as _io
 
 
 class Overflowing(nn.Module):
@@ -187,7 +187,7 @@ def test_healthy_headroom_bits_are_exact() -> None:
         m.weight.copy_(torch.tensor([[2.0, 0.0], [0.0, 0.5]]))
     with nantrace.trace(m) as tr:
         m(torch.tensor([[1024.0, 1.0]]))
-    from nantrace._report import headroom_table
+    from nantrace._ranges import headroom_table
 
     hr = headroom_table(tr.records)
     assert hr["module"].tolist() == [""]

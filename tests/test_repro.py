@@ -149,9 +149,9 @@ def test_nothing_is_kept_when_every_call_is_clean() -> None:
     ref = m(x)
     with nantrace.trace(m, capture="first") as tr:
         out = m(x)
-        assert tr._capture is not None and tr._capture.open == []  # copies dropped as each call returned
+        assert tr._recording.capture is not None and tr._recording.capture.open == []  # copies dropped as each call returned
     assert torch.equal(out, ref)
-    assert tr._capture.kept is None
+    assert tr._recording.capture.kept is None
     assert tr.first_overflow() is None
 
 
@@ -281,7 +281,7 @@ def test_a_module_that_builds_a_minus_inf_mask_is_neither_captured_nor_reported(
     with nantrace.trace(m, capture="first") as tr:
         out = m(x)
     assert torch.isfinite(out).all()
-    assert tr._capture is not None and tr._capture.kept is None
+    assert tr._recording.capture is not None and tr._recording.capture.kept is None
     assert tr.first_overflow() is None
 
 

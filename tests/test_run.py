@@ -320,10 +320,10 @@ def test_api_restores_hooks_scaler_argv_and_path(tmp_path: Path) -> None:
     assert sys.argv == argv and sys.path == path
     assert list(result.traces) == ["model"]
     tr = result.traces["model"]
-    scaler = tr._scaler
+    scaler = tr._recording.scaler
     assert scaler is not None
     assert "scale" not in vars(scaler) and "update" not in vars(scaler)  # the trace's patches are gone
-    assert tr._handles == [] and tr._closed
+    assert tr._recording.handles == [] and tr._recording.closed
     assert tr.steps["scale"].tolist() == [4.0, 4.0]
     assert torch.Tensor.__dict__["backward"] is backward
     assert torch.optim.Optimizer.__dict__["__init__"] is opt_init

@@ -32,7 +32,7 @@ def test_streaming_keeps_a_window_and_loads_the_whole_run(tmp_path: Path) -> Non
             with torch.no_grad():
                 m(_x(step))
             if step == 3:
-                in_memory = sorted(set(tr._store.records()["step"].tolist()))
+                in_memory = sorted(set(tr._recording.store.records()["step"].tolist()))
                 assert not path.exists()  # written under a temporary name until exit
     assert in_memory == [2]  # steps 0-1 were written when the second step closed; step 3 is still open
     assert path.exists()

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .._trace import NantraceError, Trace, check_trace_options, trace
+from .._errors import NantraceError
+from .._options import TraceOptions
+from .._recording import Recording
+from .._trace import Trace, trace_of
 
 __all__ = [
     "LOG_KEYS",
@@ -24,6 +26,7 @@ __all__ = [
     "check_path",
     "check_stop",
     "check_tensorboard",
+    "traced",
     "unwrap_optimizer",
 ]
 
@@ -31,42 +34,14 @@ __all__ = [
 LOG_KEYS = ("loss_scale", "skipped", "n_nonfinite")
 
 
-@dataclass(frozen=True)
-class TraceOptions:
-    """The arguments of :func:`nantrace.trace` a callback passes on (see there for their meaning)."""
-
-    modules: Any = None
-    phases: Any = None
-    sync_free: bool | None = None
-    drill: bool = True
-    every: int = 1
-
-    def __post_init__(self) -> None:
-        """Check the options when the callback is made, not at train start (same checks as ``trace()``)."""
-        check_trace_options(
-            modules=self.modules,
-            phases=self.phases,
-            sync_free=self.sync_free,
-            drill=self.drill,
-            every=self.every,
-        )
-
-    def trace(
-        self,
-        model: torch.nn.Module,
-        scaler: torch.amp.GradScaler | None,
-        optimizer: torch.optim.Optimizer | None,
-    ) -> Trace:
-        return trace(
-            model,
-            scaler=scaler,
-            optimizer=optimizer,
-            modules=self.modules,
-            phases=self.phases,
-            sync_free=self.sync_free,
-            drill=self.drill,
-            every=self.every,
-        )
+def traced(
+    options: TraceOptions,
+    model: torch.nn.Module,
+    scaler: torch.amp.GradScaler | None,
+    optimizer: torch.optim.Optimizer | None,
+) -> Recording:
+    """A recording of ``model`` with the callback's trace options (not entered yet)."""
+    return Recording(model, scaler=scaler, optimizer=optimizer, options=options)
 
 
 def check_stop(stop_on_overflow: bool | int) -> int:
@@ -102,22 +77,23 @@ def check_tensorboard(logdir: str | os.PathLike[str] | None) -> Path | None:
     """
     path = check_path(logdir, "tensorboard")
     if path is not None and importlib.util.find_spec("tensorboard") is None:
-        from .._tensorboard import _MISSING
+        from .._tensorboard import MISSING_TENSORBOARD
 
-        raise ImportError(_MISSING)
+        raise ImportError(MISSING_TENSORBOARD)
     return path
 
 
 class Session:
     """One traced training run of a callback.
 
-    Enters ``tr`` at once (hooks attached) but leaves recording off: the callback turns it on for the
+    Enters the recording at once (hooks attached) but leaves it paused: the callback resumes it for the
     duration of each training step (:meth:`recording`), so evaluation, logging and checkpointing between
-    steps are not recorded into the trace.
+    steps are not recorded into the trace. :attr:`tr` is the :class:`~nantrace.Trace` the user reads.
     """
 
-    def __init__(self, tr: Trace, path: Path, tensorboard: Path | None = None) -> None:
-        self.tr = tr
+    def __init__(self, rec: Recording, path: Path, tensorboard: Path | None = None) -> None:
+        self.rec = rec
+        self.tr: Trace = trace_of(rec)
         self.path = path
         self.tensorboard = tensorboard
         self.saved: Path | None = None
@@ -125,21 +101,24 @@ class Session:
         self._logged = 0  # steps rows already summarised into a log
         self._checked = 0  # steps rows already looked at by should_stop()
         self._bad_run = 0  # consecutive steps with a non-finite value, up to the last checked one
-        tr.__enter__()
-        self.recording(False)
+        rec.enter()
+        rec.pause()
 
     def recording(self, on: bool) -> None:
         """Record (True) or ignore (False) what the hooks see, until the next call; no-op once closed."""
-        if not self.closed:
-            self.tr._rec.active = on
+        if self.closed:
+            return
+        if on:
+            self.rec.resume()
+        else:
+            self.rec.pause()
 
     @property
     def active(self) -> bool:
-        return not self.closed and self.tr._rec.active
+        return not self.closed and self.rec.active
 
     def _rows(self, start: int) -> list[dict[str, Any]]:
-        rows = self.tr._store.step_rows
-        return [rows._row(i) for i in range(start, len(rows))]
+        return self.rec.steps_since(start)
 
     def new_steps(self) -> list[dict[str, Any]]:
         """The ``steps`` rows (as dicts) closed since the previous call."""
@@ -181,10 +160,7 @@ class Session:
             return self.saved  # None if saving failed the first time (that error was raised then)
         self.closed = True
         try:
-            if exc is None:
-                self.tr.__exit__(None, None, None)
-            else:
-                self.tr.__exit__(type(exc), exc, exc.__traceback__)
+            self.rec.exit(failed=exc is not None)
         finally:
             self.save()
         if self.tensorboard is not None:

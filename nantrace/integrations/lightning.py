@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._trace import ModuleFilter, NantraceError, Trace
+from .._errors import NantraceError
+from .._options import ModuleFilter
+from .._trace import Trace
 from ._common import (
     LOG_KEYS,
     Session,
@@ -22,6 +24,7 @@ from ._common import (
     check_path,
     check_stop,
     check_tensorboard,
+    traced,
     unwrap_optimizer,
 )
 
@@ -101,7 +104,9 @@ class NanTraceCallback(pl.Callback):
         self._stop_after = check_stop(stop_on_overflow)
         self._tensorboard = check_tensorboard(tensorboard)
         self._root = root
-        self._options = TraceOptions(modules, phases, sync_free, drill, every)
+        self._options = TraceOptions(
+            modules=modules, phases=phases, sync_free=sync_free, drill=drill, every=every
+        )
         self._session: Session | None = None
         self._warned_no_forward = False
 
@@ -137,7 +142,7 @@ class NanTraceCallback(pl.Callback):
             scaler = None
         log_dir = trainer.log_dir or trainer.default_root_dir  # log_dir is collective: every rank calls it
         path = self._path or Path(log_dir) / "trace.nantrace"
-        self._session = Session(self._options.trace(model, scaler, optimizer), path, self._tensorboard)
+        self._session = Session(traced(self._options, model, scaler, optimizer), path, self._tensorboard)
         self._warned_no_forward = False
 
     def on_train_batch_start(
@@ -150,7 +155,7 @@ class NanTraceCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
         s = self._session
-        if s is not None and s.active and s.tr._scaler is None:
+        if s is not None and s.active and s.rec.scaler is None:
             s.tr.step(loss=loss)  # with a GradScaler, its scale() records the loss itself
 
     def on_train_batch_end(

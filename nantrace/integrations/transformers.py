@@ -16,13 +16,16 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._trace import ModuleFilter, NantraceError, Trace
+from .._errors import NantraceError
+from .._options import ModuleFilter
+from .._trace import Trace
 from ._common import (
     Session,
     TraceOptions,
     check_path,
     check_stop,
     check_tensorboard,
+    traced,
     unwrap_optimizer,
 )
 
@@ -113,7 +116,9 @@ class NanTraceCallback(TrainerCallback):
         self._path = check_path(trace_path, "trace_path")
         self._stop_after = check_stop(stop_on_overflow)
         self._tensorboard = check_tensorboard(tensorboard)
-        self._options = TraceOptions(modules, phases, sync_free, drill, every)
+        self._options = TraceOptions(
+            modules=modules, phases=phases, sync_free=sync_free, drill=drill, every=every
+        )
         self._session: Session | None = None
         self._loss_hook: RemovableHandle | None = None
         self._loss_sum: torch.Tensor | None = None
@@ -152,9 +157,9 @@ class NanTraceCallback(TrainerCallback):
         opt, scaler = unwrap_optimizer(optimizer)
         out_dir = Path(args.output_dir or "trainer_output")  # TrainingArguments' own default
         path = self._path or out_dir / "trace.nantrace"
-        tr = self._options.trace(model, scaler, opt)
+        rec = traced(self._options, model, scaler, opt)
         self._loss_sum = None
-        self._session = Session(tr, path, self._tensorboard)
+        self._session = Session(rec, path, self._tensorboard)
         try:
             self._loss_hook = model.register_forward_hook(self._capture_loss)
         except BaseException as e:
@@ -245,5 +250,5 @@ class NanTraceCallback(TrainerCallback):
             return
         value = loss.detach().float().sum()  # only whether it stays finite is read, at the next log
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
-        if s.tr._scaler is None:
+        if s.rec.scaler is None:
             s.tr.step(loss=loss)  # a GradScaler's scale() records the loss itself

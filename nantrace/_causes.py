@@ -1,0 +1,587 @@
+"""The fault causes of the diagnosis, one builder each (data, mask leak, forward overflow, invalid op, loss,
+backward overflow, optimizer, divergence): each writes the evidence and advice from the facts of its event."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from ._diagnosis import HEALTHY_UPDATE_RATIO, Diagnosis
+from ._facts import DivergenceFacts, Facts
+from ._fmt import attr_path, module_label, num, steps_text
+from ._masks import is_mask
+from ._overflow import Overflow
+from ._ranges import finite_absmax, weights_beyond
+from ._schema import FP16_SMALLEST_NORMAL, FP16_SMALLEST_SUBNORMAL, dtype_max
+
+__all__ = [
+    "backward_overflow",
+    "bf16_advice",
+    "compute_dtype",
+    "data",
+    "divergence_diagnosis",
+    "forward_overflow",
+    "input_beyond_range",
+    "invalid_op",
+    "keep_fp32_advice",
+    "leaked_masks",
+    "loss",
+    "mask_leak",
+    "optimizer",
+    "producer_text",
+    "skips_text",
+    "weights_beyond_of",
+]
+
+
+# ---------------------------------------------------------------------------------------------- the causes
+def skips_text(run: Facts) -> str | None:
+    sk = run.skipped_steps()
+    if not run.has_scaler():
+        return None
+    first, last = run.scale_range(run.step_ids)
+    rng = f"; loss scale {num(first)} → {num(last)}" if not math.isnan(first) else ""
+    return f"GradScaler skipped {len(sk)} of {len(run.step_ids)} steps ({steps_text(sk)}){rng}"
+
+
+def keep_fp32_advice(run: Facts, module: str, dtype: str) -> str:
+    if run.autocast():
+        return (
+            f"Keep {module_label(module)} in float32: run it with autocast off, "
+            f"`with torch.autocast(device_type=..., enabled=False): y = {attr_path(module)}(x.float())`."
+        )
+    return (
+        f"Keep {module_label(module)} in float32 while the rest stays {dtype}: `{attr_path(module)}.float()` and cast its "
+        f"input with `.float()` (and the result back with `.to(torch.{dtype})`)."
+    )
+
+
+def bf16_advice() -> str:
+    return (
+        "Or train in bfloat16 (`torch.autocast(device_type=..., dtype=torch.bfloat16)`): it has float32's range "
+        "(max 3.4e38), so no loss scaling is needed."
+    )
+
+
+def data(run: Facts, ev: Overflow) -> Diagnosis:
+    rows = run.rows_of(ev.step, "data", prefix=ev.tensor)
+    rows = rows[rows["micro_step"].to_numpy() == ev.micro_step]
+    counts = {k: int(rows[f"n_{k}"].sum()) for k in ("nan", "posinf", "neginf")} if len(rows) else {}
+    what = ", ".join(
+        f"{n} {k.replace('posinf', '+inf').replace('neginf', '-inf')}" for k, n in counts.items() if n
+    )
+    shape = str(rows["shape"].iloc[0]) if len(rows) else "?"
+    arg = rows["arg"].iloc[0] if len(rows) else None
+    argname = f" (argument `{arg}`)" if isinstance(arg, str) and arg else ""
+    where = f"step {ev.step}" + (f", micro-step {ev.micro_step}" if ev.micro_step else "")
+    evidence = [
+        f"model input `{ev.tensor}`{argname}, shape {shape}, dtype {ev.dtype}, held {what or 'non-finite values'} "
+        f"at {where}, before any module ran",
+        f"finite part of that input: absmax {num(finite_absmax(rows))}",
+    ]
+    later = [e.step for e in run.events if e.phase == "data"]
+    if len(later) > 1:
+        evidence.append(f"the model inputs were non-finite at steps {steps_text(later)}")
+    skips = skips_text(run)
+    if skips:
+        evidence.append(skips)
+    advice = [
+        f"Check the data loader for the batch of {where} (input `{ev.tensor}`): look for log(0), division by "
+        "zero, a corrupt sample or a missing value; e.g. `assert torch.isfinite(x).all()` in the loader.",
+    ]
+    if counts.get("neginf"):
+        advice.append(
+            "-inf in an input that is not an attention mask: clamp before the log "
+            "(`torch.log(x.clamp_min(1e-6))` or `torch.log1p(x)`). If it is a mask, pass it as an argument whose "
+            "name contains 'mask', or make it hold only 0 and -inf."
+        )
+    if counts.get("nan"):
+        advice.append("Replace missing values before the model (`torch.nan_to_num(x)` or drop the sample).")
+    summary = f"The model input `{ev.tensor}` was already non-finite at {where}: a data fault, not the model."
+    return Diagnosis("data", ev, evidence, advice, summary)
+
+
+def call_inputs(run: Facts, ev: Overflow) -> pd.DataFrame:
+    """The input rows of the event's module call (the model inputs for the root)."""
+    phase = "data" if ev.module == "" else "forward"
+    mine = run.rows_of(ev.step, phase, module=ev.module, prefix="input")
+    return mine[(mine["micro_step"].to_numpy() == ev.micro_step) & (mine["call"].to_numpy() == ev.call)]
+
+
+def input_beyond_range(run: Facts, ev: Overflow) -> bool:
+    """A forward NaN whose (finite, wider-dtype) inputs exceed the output dtype's range: the cast overflowed
+    (autocast casting float32 inputs above 65504 to float16 gives inf, then inf - inf or 0·inf gives NaN)."""
+    limit = dtype_max(str(ev.dtype))
+    return not math.isnan(limit) and finite_absmax(call_inputs(run, ev)) > limit
+
+
+def weights_beyond_of(run: Facts, ev: Overflow) -> tuple[list[tuple[str, str, float, int]], bool]:
+    """Own parameters of the event's module whose latest known absmax exceeds the output dtype's max (a float32
+    weight above 65504 that autocast's cast to float16 makes inf), and whether they were read live.
+
+    First the recorded ``optimizer`` rows of steps before the event (:func:`~nantrace._ranges.weights_beyond`).
+    When none shows it, the live model of a recording Trace is read at diagnose time, but only when the
+    GradScaler skipped every traced step from the event's on and no later ``optimizer`` row of the module was
+    recorded: then ``optimizer.step()`` did not change the weights after that forward inside the trace (a change
+    after the trace ended, or by code other than the optimizer after the event, cannot be seen)."""
+    dtype = str(ev.dtype)
+    if ev.phase != "forward":
+        return [], False
+    inputs = call_inputs(run, ev)
+    if len(inputs) and int(inputs[["n_posinf", "n_neginf"]].to_numpy().sum()):
+        return [], False  # an inf its inputs already held explains it (as the locator's explanation says)
+    rec = weights_beyond(run.records, ev.module, ev.step, dtype)
+    if rec:
+        return rec, False
+    limit = dtype_max(dtype)
+    later = [s for s in run.step_ids if s >= ev.step]
+    if run.model is None or math.isnan(limit) or limit >= dtype_max("float32") or not later:
+        return [], False
+    if not all(run.skipped.get(s) is True for s in later):
+        return [], False
+    if bool(((run.phase == "optimizer") & (run.module == ev.module) & (run.step >= ev.step)).any()):
+        return [], False
+    return run.model.params_beyond(ev.module, limit), True
+
+
+def own_code_of(run: Facts, ev: Overflow) -> bool:
+    """The non-finite value was made by the module's own forward code, not by a submodule: it was first seen at a
+    submodule's input, or the module has recorded submodules (the locator reports a parent only when every
+    submodule output before the value was finite)."""
+    if ev.tensor.startswith("input"):
+        return True
+    prefix = ev.module + "." if ev.module else ""
+    m = (
+        (run.step == ev.step)
+        & (run.phase == "forward")
+        & run.is_output
+        & np.char.startswith(run.module.astype(str), prefix)
+        & (run.module != ev.module)
+    )
+    m &= run.records["micro_step"].to_numpy() == ev.micro_step
+    return bool(m.any())
+
+
+def leaked_masks(run: Facts, ev: Overflow) -> list[str] | None:
+    """For a forward inf made from call inputs that already held inf while a model input was a mask holding
+    -inf: the names of those mask inputs (the mask's -inf went on beyond the mask); else ``None``."""
+    if ev.kind != "inf":
+        return None
+    inputs = call_inputs(run, ev)
+    if not len(inputs) or int(inputs[["n_posinf", "n_neginf"]].to_numpy().sum()) == 0:
+        return None
+    data = run.rows_of(ev.step, "data")
+    data = data[data["micro_step"].to_numpy() == ev.micro_step]
+    data = data[is_mask(data)]
+    if not len(data):
+        return None
+    names = [
+        str(a) if isinstance(a, str) else str(t) for a, t in zip(data["arg"], data["tensor"], strict=True)
+    ]
+    return list(dict.fromkeys(names))
+
+
+def mask_leak(run: Facts, ev: Overflow, masks: list[str]) -> Diagnosis:
+    shown = ", ".join(f"`{n}`" for n in masks)
+    where = f"step {ev.step}" + (f", micro-step {ev.micro_step}" if ev.micro_step else "")
+    evidence = [
+        f"model input(s) {shown} held -inf and count as attention masks (by name, or every value 0 or -inf)",
+        f"{module_label(ev.module)} ({ev.module_type}, call {ev.call}) at {where} passed that -inf on into `{ev.tensor}`, "
+        "which is not a mask, and it went on (an intended mask value only feeds attention scores before a "
+        "softmax)",
+    ]
+    advice = [
+        f"If {shown} is data, not a mask, find where its -inf comes from (e.g. log(0)) and clamp it; an "
+        "argument named with 'mask' or 'bias' counts as an attention mask, so rename it.",
+        "If it is a mask, add it only to attention scores that a softmax consumes, or use a large finite "
+        "negative value (`torch.finfo(dtype).min`) instead of -inf.",
+    ]
+    summary = f"The -inf of the mask/bias input {shown} reached values that are not a mask at {where}."
+    return Diagnosis("data", ev, evidence, advice, summary)
+
+
+def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
+    inputs = call_inputs(run, ev)
+    in_absmax = finite_absmax(inputs)
+    dtype = str(ev.dtype)
+    limit = dtype_max(dtype)
+    own_code = own_code_of(run, ev)
+    op = run.op_of(ev, "posinf") or run.op_of(ev, "neginf") or run.op_of(ev, "nan")
+    evidence = [
+        f"{module_label(ev.module)} ({ev.module_type}, call {ev.call}) at step {ev.step} turned finite inputs "
+        f"(absmax {num(in_absmax)}) into {'NaN' if ev.kind == 'nan' else 'inf'} in {dtype}, whose largest "
+        f"finite value is {num(limit)}"
+    ]
+    if in_absmax > limit:
+        evidence.append(
+            f"its inputs (absmax {num(in_absmax)}) are already beyond {dtype}'s range: casting them to {dtype} "
+            "(autocast) gives inf, and inf − inf or 0·inf then gives NaN"
+        )
+    if own_code:
+        where = (
+            f"first seen at `{ev.tensor}` of a submodule"
+            if ev.tensor.startswith("input")
+            else f"first seen at `{ev.tensor}` of {module_label(ev.module)} itself, not of a submodule"
+        )
+        evidence.append(
+            f"{where}: the overflow is in {module_label(ev.module)}'s own forward code between its submodules (every "
+            "submodule output before it was finite)"
+        )
+    if op:
+        evidence.append(f"the forward replay names the op: `{op}`")
+    beyond, live = weights_beyond_of(run, ev)
+    prefix = f"{ev.module}." if ev.module else ""
+    made = "inf·0 or inf−inf then gives NaN" if ev.kind == "nan" else "and inf times the inputs gives inf"
+    for pname, pdtype, absmax, since in beyond:
+        if live:
+            last = run.records[
+                (run.phase == "optimizer")
+                & (run.module == ev.module)
+                & (run.tensor == pname)
+                & (run.step < ev.step)
+            ].sort_values("step")
+            shown = (
+                f"; its last optimizer row (step {int(last['step'].iloc[-1])}) showed "
+                f"{num(float(last['absmax'].iloc[-1]))}: it changed outside optimizer.step()"
+                if len(last)
+                else ""
+            )
+            when = (
+                "read from the live model at diagnose time (the GradScaler skipped every step from "
+                f"{ev.step} on, so the optimizer did not change it after that forward){shown}"
+            )
+        else:
+            when = f"it grew past {num(limit)} at step {since} (optimizer rows)"
+        evidence.append(
+            f"its parameter `{prefix}{pname}` ({pdtype}) has absmax {num(absmax)}, beyond {dtype}'s {num(limit)}: "
+            f"autocast's cast of it to {dtype} gives inf, {made}; {when}"
+        )
+    prev = run.output_series(ev.module, ev.step)
+    if len(prev):
+        last = float(prev.iloc[-1])
+        bits = math.log2(limit / last) if last > 0 and not math.isnan(limit) else math.nan
+        evidence.append(
+            f"its output absmax at step {int(prev.index[-1])} was {num(last)} ({num(bits)} bits of headroom)"
+        )
+    w = run.rows_of(ev.step - 1, "optimizer", module=ev.module) if ev.step > 0 else run.records.iloc[0:0]
+    if len(w) and not beyond:
+        evidence.append(f"its parameters' absmax after step {ev.step - 1}: {num(finite_absmax(w))}")
+    skips = skips_text(run)
+    if skips:
+        evidence.append(skips)
+    advice = [keep_fp32_advice(run, ev.module, dtype), bf16_advice()]
+    low = (ev.module + " " + ev.module_type).lower()
+    if own_code:
+        advice.insert(
+            0,
+            f"The op that overflows is in {module_label(ev.module)}'s own forward (e.g. a residual add `x + f(x)` of "
+            f"values near {num(in_absmax)}): normalise before it (pre-norm) or compute that op in float32.",
+        )
+    if beyond:
+        lr = run.lr.get(beyond[0][3], math.nan)
+        lr_text = f" (lr was {lr:.4g} at step {beyond[0][3]})" if not math.isnan(lr) else ""
+        grown = ", ".join(f"`{prefix}{t[0]}`" for t in beyond)
+        advice[:0] = [
+            f"Keep the weights of {module_label(ev.module)} ({grown}) well below {num(limit)}: a smaller learning rate"
+            f"{lr_text}, weight decay, or gradient clipping (`torch.nn.utils.clip_grad_norm_`, after "
+            "`scaler.unscale_(optimizer)`)."
+            if not live
+            else f"Find what set the weights of {module_label(ev.module)} ({grown}) above {num(limit)} (an in-place edit, "
+            "a checkpoint) and keep them well below it: a smaller learning rate, weight decay, or gradient clipping.",
+        ]
+    if "attn" in low or "attention" in low:
+        advice.insert(
+            0,
+            f"Attention scores overflow: scale q·kᵀ by 1/sqrt(head_dim) before the softmax, or use "
+            f"`F.scaled_dot_product_attention`, which computes in float32 internally (inputs absmax {num(in_absmax)}).",
+        )
+    elif (
+        ev.module_type in ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear") and not own_code and not beyond
+    ):
+        advice.insert(
+            0,
+            f"{module_label(ev.module)} multiplies inputs of absmax {num(in_absmax)} into values above {num(limit)}: "
+            "rescale or normalise its input (a norm layer before it), or shrink its weights (init, weight decay).",
+        )
+    summary = (
+        f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: "
+        f"activations exceeded {num(limit)} from finite inputs."
+    )
+    if beyond:
+        summary = (
+            f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: its "
+            f"{beyond[0][1]} weights exceed {num(limit)}, so autocast's cast to {dtype} made them inf."
+        )
+    return Diagnosis("forward_overflow", ev, evidence, advice, summary)
+
+
+_OP_HINTS: tuple[tuple[str, str], ...] = (
+    ("div", "0/0 or x/0: add an eps to the denominator (`x / (n + 1e-6)`; `F.normalize(x, eps=...)`)"),
+    ("sqrt", "sqrt/rsqrt of a negative or of 0: clamp the argument (`x.clamp_min(eps)`) or add eps inside"),
+    ("log", "log of a negative value or of 0: clamp the argument (`x.clamp_min(eps)`)"),
+    ("pow", "a fractional power of a negative value: clamp the base"),
+    ("sub", "inf − inf: an intermediate overflowed; compute it in float32"),
+    ("mul", "0·inf: an intermediate overflowed or a masked entry; compute it in float32 or mask earlier"),
+)
+
+
+def invalid_op(run: Facts, ev: Overflow) -> Diagnosis:
+    dtype = str(ev.dtype)
+    if ev.phase == "forward":
+        mine = run.rows_of(ev.step, "forward", module=ev.module)
+        mine = mine[(mine["micro_step"].to_numpy() == ev.micro_step) & (mine["call"].to_numpy() == ev.call)]
+        inputs = mine[mine["tensor"].astype(str).str.startswith("input")]
+        if ev.module == "":
+            inputs = run.rows_of(ev.step, "data")
+        in_neginf = int(inputs["n_neginf"].sum()) if len(inputs) else 0
+        op = run.op_of(ev, "nan")
+        evidence = [
+            f"{module_label(ev.module)} ({ev.module_type}, call {ev.call}) at step {ev.step} produced NaN in "
+            f"`{ev.tensor}` ({dtype}) from inputs holding no NaN (finite absmax {num(finite_absmax(inputs))}, "
+            f"{f'{in_neginf} -inf value(s)' if in_neginf else 'no -inf'})"
+        ]
+        if op:
+            evidence.append(f"the forward replay names the op: `{op}`")
+        advice: list[str] = []
+        if in_neginf:
+            evidence.append("its inputs held -inf (an attention mask): a row with every key masked")
+            advice.append(
+                f"A fully masked softmax row in {module_label(ev.module)}: softmax over all -inf is 0/0 = NaN. Keep at "
+                "least one unmasked key per query, use a large finite negative (`torch.finfo(dtype).min`) instead "
+                "of -inf, or zero the row after the softmax (`probs.masked_fill(all_masked, 0)`)."
+            )
+        hint = next((h for k, h in _OP_HINTS if op is not None and k in op.lower()), None)
+        if in_neginf and op is not None and any(k in op.lower() for k in ("sub", "mul", "add", "exp")):
+            hint = None  # the mask's -inf explains it
+        if hint:
+            advice.append(f"In {module_label(ev.module)}: {hint}.")
+        low = (ev.module + " " + ev.module_type).lower()
+        if "norm" in low and not in_neginf:
+            advice.append(
+                f"{module_label(ev.module)} looks like a normalisation: an all-zero row gives 0/0; pass `eps` "
+                "(`F.normalize(x, eps=1e-6)`, `x * torch.rsqrt(var + eps)`)."
+            )
+        if not advice:
+            advice.append(
+                f"Find the invalid op in {module_label(ev.module)}'s forward (0/0, 0·inf, inf−inf, sqrt/log of a "
+                "negative): add eps to denominators and clamp arguments of sqrt/log."
+            )
+        summary = f"{module_label(ev.module)} made NaN from values holding no NaN at step {ev.step}: an invalid operation."
+        return Diagnosis("invalid_op", ev, evidence, advice, summary)
+    gout = run.rows_of(ev.step, ("backward", "loss"), module=ev.module, prefix="grad_output")
+    scale = run.scale.get(ev.step, math.nan)
+    evidence = [
+        f"the backward of {module_label(ev.module)} ({ev.module_type}) at step {ev.step} turned finite incoming "
+        f"gradients (grad_output absmax {num(finite_absmax(gout))}) into NaN in `{ev.tensor}` ({dtype})",
+    ]
+    if not math.isnan(scale):
+        evidence.append(f"loss scale {num(scale)}")
+    fwd = run.rows_of(ev.step, "forward", module=ev.module, prefix="output")
+    if len(fwd) and not bool(fwd[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum()):
+        evidence.append(f"its forward at that step was finite (output absmax {num(finite_absmax(fwd))})")
+    skips = skips_text(run)
+    if skips:
+        evidence.append(skips)
+    advice = [
+        f"0·inf in the backward of {module_label(ev.module)}: an op whose derivative is infinite at the values it saw "
+        "(log/log1p at 0, sqrt at 0, x/0) sits under a `torch.where`/mask that discards its result; the "
+        "discarded entries still send 0·inf = NaN back. Make the input safe *before* the op "
+        "(`safe = torch.where(keep, p, 0.0)`; then `torch.where(keep, f(safe), 0.0)`), or clamp it away from the "
+        "singular point.",
+        "`torch.autograd.detect_anomaly()` on one step names the exact backward function.",
+    ]
+    summary = f"The backward of {module_label(ev.module)} made NaN from finite gradients at step {ev.step}: an invalid operation."
+    return Diagnosis("invalid_op", ev, evidence, advice, summary)
+
+
+def loss(run: Facts, ev: Overflow) -> Diagnosis:
+    outs = run.rows_of(ev.step, "forward", module="", prefix="output")
+    loss_rows = run.rows_of(ev.step, "loss", prefix="loss")
+    loss_dtype = str(loss_rows["dtype"].iloc[0]) if len(loss_rows) else str(ev.dtype)
+    which = "the loss" if ev.tensor.startswith("loss") else "the gradient arriving at the model's outputs"
+    lv = run.loss.get(ev.step, math.nan)
+    seen = (
+        f"were finite (absmax {num(finite_absmax(outs))})"
+        if len(outs)
+        else "were not recorded (no traced forward in this step)"
+    )
+    evidence = [f"the model's outputs at step {ev.step} {seen} but {which} was {ev.kind} ({ev.dtype})"]
+    if not math.isnan(lv) and not ev.tensor.startswith("loss"):
+        evidence.append(f"loss value at step {ev.step}: {num(lv)} ({loss_dtype})")
+    bad = [e.step for e in run.events if e.phase == "loss"]
+    if len(bad) > 1:
+        evidence.append(f"the loss was non-finite at steps {steps_text(bad)}")
+    skips = skips_text(run)
+    if skips:
+        evidence.append(
+            skips + " — a symptom: the scale falls because the loss itself is non-finite, not the gradients"
+        )
+    advice = [
+        "Compute the loss in float32 from the model's outputs: `F.cross_entropy(logits.float(), target)`, or "
+        "`-F.log_softmax(logits.float(), -1).gather(-1, target[:, None])` instead of `-log(softmax(...))`, whose "
+        f"probability underflows to 0 in {loss_dtype} (log(0) = -inf).",
+    ]
+    if ev.tensor.startswith("loss"):
+        advice.append("Check the targets and any log/division in the loss for zeros (clamp with an eps).")
+    else:
+        advice.append(
+            "The loss was finite but its gradient was not: a reduction such as `sum()` times the loss scale can "
+            "exceed 65504 in float16; use `mean()` or cast the outputs to float32 before the loss."
+        )
+    summary = (
+        f"The model's outputs were {'finite' if len(outs) else 'not recorded'} but {which} was non-finite at "
+        f"step {ev.step}."
+    )
+    return Diagnosis("loss", ev, evidence, advice, summary)
+
+
+def backward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
+    gout = run.rows_of(ev.step, ("backward", "loss"), module=ev.module, prefix="grad_output")
+    scale = run.scale.get(ev.step, math.nan)
+    dtype = compute_dtype(run, ev)
+    evidence = [
+        f"the backward of {module_label(ev.module)} ({ev.module_type}) at step {ev.step} turned finite incoming "
+        f"gradients (grad_output absmax {num(finite_absmax(gout))}) into inf in `{ev.tensor}` (computed in {dtype}, "
+        f"max {num(dtype_max(dtype))})",
+        "loss scale: " + ("none (no GradScaler)" if math.isnan(scale) else num(scale)),
+    ]
+    w = run.rows_of(ev.step - 1, "optimizer", module=ev.module) if ev.step > 0 else run.records.iloc[0:0]
+    if len(w):
+        evidence.append(f"its parameters' absmax after step {ev.step - 1}: {num(finite_absmax(w))}")
+    fwd_in = run.rows_of(ev.step, "forward", module=ev.module, prefix="input")
+    if len(fwd_in):
+        evidence.append(f"its forward input absmax was {num(finite_absmax(fwd_in))}")
+    advice = [
+        keep_fp32_advice(run, ev.module, dtype),
+        bf16_advice(),
+    ]
+    if math.isnan(scale):
+        advice.insert(
+            0,
+            f"With no GradScaler (scale 1) the gradient of {module_label(ev.module)} itself exceeds "
+            f"{num(dtype_max(dtype))}: check its weights (large weights multiply the incoming gradient), keep it "
+            "in float32, or scale the loss down (`(loss / 1024).backward()`, then multiply the float32 gradients "
+            "back before the optimizer step).",
+        )
+    else:
+        advice.insert(
+            0,
+            f"Clip gradients after `scaler.unscale_(optimizer)` (`torch.nn.utils.clip_grad_norm_(params, 1.0)`) "
+            f"and check the weights of {module_label(ev.module)}: its gradient overflows at loss scale {num(scale)}.",
+        )
+    summary = (
+        f"The backward of {module_label(ev.module)} ({ev.module_type}) overflowed {dtype} at step {ev.step}; "
+        "a GradScaler did not absorb it."
+    )
+    return Diagnosis("backward_overflow", ev, evidence, advice, summary)
+
+
+def optimizer(run: Facts, ev: Overflow) -> Diagnosis:
+    dtype = str(ev.dtype)
+    pname = ev.tensor
+    grads = run.rows_of(ev.step, "backward", module=ev.module, prefix=pname + ".grad")
+    scale = run.scale.get(ev.step, math.nan)
+    gmax = finite_absmax(grads)
+    if not math.isnan(scale) and scale > 0:
+        gmax /= scale
+    before = run.rows_of(ev.step - 1, "optimizer", module=ev.module) if ev.step > 0 else run.records.iloc[0:0]
+    opt_name = str(run.options.get("optimizer") or "the optimizer")
+    evidence = [
+        f"gradients of {module_label(ev.module)} ({ev.module_type}) at step {ev.step} were finite (`{pname}.grad` "
+        f"absmax {num(gmax)}, unscaled) but `{pname}` became {ev.kind} ({dtype}) in {opt_name}.step()",
+    ]
+    if len(before):
+        evidence.append(f"its parameters' absmax after step {ev.step - 1}: {num(finite_absmax(before))}")
+    if not math.isnan(gmax) and gmax > 0 and dtype == "float16":
+        evidence.append(
+            f"in float16, grad² = {num(gmax * gmax)} (below {num(FP16_SMALLEST_SUBNORMAL)} rounds to 0) and "
+            "eps=1e-8 rounds to 0: Adam's step m / (sqrt(v) + eps) is 0/0 or x/0"
+        )
+    lr = run.lr.get(ev.step, math.nan)
+    if not math.isnan(lr):
+        evidence.append(f"learning rate {num(lr)}")
+    advice = [
+        f"Keep float32 master weights: leave the model in float32 and use `torch.autocast(device_type=..., "
+        f"dtype=torch.{dtype})` for the compute instead of `model.half()`.",
+    ]
+    if "adam" in opt_name.lower() or opt_name == "the optimizer":
+        advice.insert(
+            0,
+            f"Raise Adam's eps to ≥1e-4 ({dtype}'s smallest normal is {num(FP16_SMALLEST_NORMAL)}; 1e-8 rounds "
+            "to 0), e.g. `torch.optim.Adam(params, eps=1e-4)`.",
+        )
+    summary = f"Gradients were finite but {opt_name}.step() made `{pname}` of {module_label(ev.module)} non-finite in {dtype}."
+    return Diagnosis("optimizer", ev, evidence, advice, summary)
+
+
+def divergence_diagnosis(run: Facts, ev: Overflow | None, div: DivergenceFacts) -> Diagnosis:
+    evidence = list(div.evidence)
+    if ev is not None:
+        evidence.insert(
+            0,
+            f"first non-finite value at step {ev.step}: {ev.phase} of {module_label(ev.module)} ({ev.module_type}), "
+            f"{ev.kind} in `{ev.tensor}` ({ev.dtype})",
+        )
+    skips = skips_text(run)
+    if skips:
+        evidence.append(skips)
+    advice = []
+    if not math.isnan(div.lr):
+        target = (
+            div.lr * HEALTHY_UPDATE_RATIO / div.ratio
+            if not math.isnan(div.ratio) and div.ratio > 0
+            else math.nan
+        )
+        ratio = f" (the update ratio was {num(div.ratio)}; healthy is about {HEALTHY_UPDATE_RATIO:g})"
+        if math.isnan(div.ratio):
+            ratio = ""
+        advice.append(
+            f"Lower the learning rate from {num(div.lr)}{ratio}"
+            + (f"; about {num(target)} would give a healthy ratio" if not math.isnan(target) else "")
+            + ", and add a warmup."
+        )
+    else:
+        advice.append(
+            f"Lower the learning rate (healthy update-to-weight ratio is about {HEALTHY_UPDATE_RATIO:g}) and add "
+            "a warmup."
+        )
+    advice.append(
+        "Clip gradients: `scaler.unscale_(optimizer)` then `torch.nn.utils.clip_grad_norm_(model.parameters(), "
+        "1.0)` before `scaler.step(optimizer)` (without a scaler, just before `optimizer.step()`)."
+    )
+    advice.append(
+        "Keeping a layer in float32 only postpones the overflow: the weights themselves are growing every step."
+    )
+    if ev is None:
+        summary = "Activations, loss and weights grow step over step: the run is diverging (no overflow yet)."
+    else:
+        where = {"forward": "the forward of", "backward": "the backward of", "optimizer": "the update of"}
+        what = (
+            "the loss"
+            if ev.phase == "loss"
+            else f"{where.get(ev.phase, '')} {module_label(ev.module)}".strip()
+        )
+        summary = (
+            f"The run diverged: activations and weights grew step over step until {what} overflowed at step "
+            f"{ev.step}; the learning rate is too high."
+        )
+    return Diagnosis("divergence", ev, evidence, advice, summary)
+
+
+def compute_dtype(run: Facts, ev: Overflow) -> str:
+    """The dtype the overflow happened in: the event's dtype, or, for a float32 parameter gradient of a module
+    run under autocast, the half dtype of that module's forward outputs (its gradient was computed in it)."""
+    dtype = str(ev.dtype)
+    if dtype not in ("float32", "float64"):
+        return dtype
+    outs = run.rows_of(ev.step, "forward", module=ev.module, prefix="output")
+    half = [d for d in outs["dtype"].astype(str).unique().tolist() if d in ("float16", "bfloat16")]
+    return half[0] if half else dtype
+
+
+def producer_text(e: Overflow) -> str:
+    if e.phase == "loss":
+        return "the loss gradient arriving at the model's outputs"
+    return f"the backward of {module_label(e.module)} ({e.module_type}) `{e.tensor}`"

@@ -1,0 +1,501 @@
+"""The locator's words: :class:`~nantrace.Overflow` objects, each with an explanation written from the facts of
+its event (the rows of its step, the run's history, and the live model's handle where there is one).
+
+:func:`first_overflow` and :func:`overflows` are the only way events become ``Overflow`` s, so the two give the
+same event the same message.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ._errors import NantraceError
+from ._fmt import module_label, num
+from ._locate import Event, Finding, find
+from ._masks import is_mask
+from ._overflow import Overflow
+from ._ranges import finite_absmax, weights_beyond
+from ._repro import captured_call
+from ._schema import KIND_WORDS, OVERFLOW_COLUMNS, dtype_max, is_wide, wanted_kinds
+from ._view import RunView
+
+__all__ = ["first_overflow", "overflows", "weights_words"]
+
+_MATMUL_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear", "LazyLinear")
+
+
+def weights_words(module: str, beyond: list[tuple[str, str, float, int]]) -> str:
+    """ "`0.weight` absmax 5.887e+06 since step 2; `0.bias` …" for :func:`~nantrace._ranges.weights_beyond`'s rows."""
+    prefix = f"{module}." if module else ""
+    return "; ".join(f"`{prefix}{t}` absmax {num(a)} since step {s}" for t, _, a, s in beyond)
+
+
+def _has(rows: pd.DataFrame, kind: str) -> bool:
+    return bool((rows[f"n_{kind}"].to_numpy() > 0).any()) if len(rows) else False
+
+
+def _where(ev: Event) -> str:
+    step, micro = ev.fields["step"], ev.fields["micro_step"]
+    return f"step {step}" + (f", micro-step {micro}" if micro else "")
+
+
+# ---------------------------------------------------------------------------------------------- per phase
+def _data(ev: Event) -> str:
+    n = int(ev.row[f"n_{ev.raw_kind}"])
+    where = _where(ev)
+    return (
+        f"At {where} the model input `{ev.fields['tensor']}` already held {n} {KIND_WORDS[ev.raw_kind]} value(s) "
+        f"before any module ran: a data fault, not the model. Check the data loader for this batch ({where}); "
+        "e.g. log(0), division by zero or a corrupt sample."
+    )
+
+
+def _mask_inputs(step_df: pd.DataFrame, micro: int) -> str:
+    """The model inputs of micro-step ``micro`` that are masks holding -inf (rule 3), as "`name`, `name`"."""
+    data = step_df[(step_df["micro_step"] == micro) & (step_df["phase"].astype(str) == "data")]
+    rows = data[is_mask(data)]
+    names = [
+        str(a) if isinstance(a, str) else str(t) for a, t in zip(rows["arg"], rows["tensor"], strict=True)
+    ]
+    return ", ".join(f"`{n}`" for n in dict.fromkeys(names))
+
+
+def _reach(step_df: pd.DataFrame, micro: int) -> str:
+    out = step_df[
+        (step_df["micro_step"] == micro)
+        & (step_df["phase"].astype(str) == "forward")
+        & (step_df["module"].astype(str) == "")
+        & step_df["tensor"].astype(str).str.startswith("output")
+    ]
+    inf = _has(out, "posinf") or _has(out, "neginf")
+    return "reached the model's output" if inf else "went on past the mask"
+
+
+def _climb(records: pd.DataFrame, module: str, step: int) -> str:
+    """'its output absmax grew every step since step S (a → b)' when the trace shows a climb of ≥ 2 steps."""
+    rows = records[
+        (records["module"].astype(str) == module)
+        & (records["phase"].astype(str) == "forward")
+        & records["tensor"].astype(str).str.startswith("output")
+        & (records["step"] <= step)
+    ]
+    if len(rows) == 0:
+        return ""
+    per_step = rows.groupby("step", observed=True)["absmax"].max().sort_index()
+    per_step = per_step[np.isfinite(per_step.to_numpy())]
+    vals = per_step.to_numpy()
+    if len(vals) < 3:
+        return ""
+    i = len(vals) - 1
+    while i > 0 and vals[i - 1] < vals[i]:
+        i -= 1
+    if len(vals) - 1 - i < 2:
+        return ""
+    s0 = int(per_step.index[i])
+    return f" Its output absmax had grown every step since step {s0} ({num(vals[i])} → {num(vals[-1])})."
+
+
+def _forward_inputs(ev: Event) -> pd.DataFrame:
+    step_df, micro, call, module = (
+        ev.step_rows,
+        ev.fields["micro_step"],
+        ev.fields["call"],
+        ev.fields["module"],
+    )
+    if module == "":
+        return step_df[(step_df["micro_step"] == micro) & (step_df["phase"].astype(str) == "data")]
+    mine = step_df[
+        (step_df["micro_step"] == micro)
+        & (step_df["call"] == call)
+        & (step_df["module"].astype(str) == module)
+    ]
+    return mine[mine["tensor"].astype(str).str.startswith("input")]
+
+
+def _forward_head(ev: Event) -> tuple[str, bool]:
+    f, row = ev.fields, ev.row
+    own_code = str(row["module"]) != f["module"]
+    if own_code:
+        at = (
+            f"its own forward code, between its submodules (first seen at `{row['tensor']}` of "
+            f"`{row['module']}`; every submodule output before it was finite)"
+        )
+    elif ev.op is not None:
+        at = f"`{ev.op}` inside its forward ({f['dtype']})"
+    else:
+        at = f"its `{f['tensor']}` ({f['dtype']})"
+    who = module_label(str(f["module"]))
+    return (
+        f"At {_where(ev)}, {who} ({f['module_type']}, call {f['call']}) produced {KIND_WORDS[ev.raw_kind]} in {at}",
+        own_code,
+    )
+
+
+def _forward_nan_cause(ev: Event, inputs_had_inf: bool, own_code: bool) -> str:
+    dtype, mtype = str(ev.fields["dtype"]), str(ev.fields["module_type"])
+    if inputs_had_inf:
+        return "from inputs holding inf but no NaN: inf−inf, 0·inf or inf/inf (e.g. normalising an overflowed row)"
+    if mtype in _MATMUL_TYPES and not own_code and not is_wide(dtype):
+        return (
+            f"from inputs holding no inf/NaN: for a {mtype} that points to non-finite weights, not to an "
+            f"op such as 0/0; under autocast a float32 weight above {num(dtype_max(dtype))} becomes inf when cast "
+            f"to {dtype} (no optimizer row before step {ev.fields['step']} shows one: check the absmax of "
+            f"{module_label(str(ev.fields['module']))}'s weights, diagnose() reads it from a live trace)"
+        )
+    return "from inputs holding no inf/NaN: an invalid operation such as 0/0, sqrt/log of a negative, or a fully masked softmax row"
+
+
+def _forward(view: RunView, ev: Event) -> str:
+    f = ev.fields
+    step, micro, module, dtype = int(f["step"]), int(f["micro_step"]), str(f["module"]), str(f["dtype"])
+    name, dmax, what = module_label(module), dtype_max(dtype), KIND_WORDS[ev.raw_kind]
+    inputs = _forward_inputs(ev)
+    in_absmax = num(finite_absmax(inputs))
+    head, own_code = _forward_head(ev)
+    inputs_had_inf = _has(inputs, "posinf") or _has(inputs, "neginf")
+    local = _local(view)
+    beyond = weights_beyond(local, module, step, dtype) if not inputs_had_inf else []
+    if beyond:  # float32 weights above the output dtype's max: autocast's cast to it made them inf
+        made = (
+            "then inf·0 or inf−inf gives NaN"
+            if ev.raw_kind == "nan"
+            else f"inf times its inputs gives {what}"
+        )
+        return (
+            f"{head}, from finite inputs (input absmax {in_absmax}): its {beyond[0][1]} weights exceed {dtype}'s "
+            f"{num(dmax)} ({weights_words(module, beyond)}), so autocast's cast to {dtype} made them inf; "
+            f"{made}. Lower the learning rate, add weight decay or clip gradients so the weights stay well "
+            f"below {num(dmax)}; or keep {name} in float32 (call it inside torch.autocast(..., enabled=False) "
+            "with a .float() input), or use bfloat16."
+        )
+    if ev.raw_kind == "nan":
+        cause = _forward_nan_cause(ev, inputs_had_inf, own_code)
+        return f"{head}, {cause}. Finite input absmax {in_absmax}."
+    if inputs_had_inf:  # the -inf of a mask/bias input went on into values that are not a mask
+        masks = _mask_inputs(ev.step_rows, micro)
+        src = f"the -inf of the mask/bias input(s) {masks}" if masks else "an inf its inputs already held"
+        return (
+            f"{head}, from {src} (finite input absmax {in_absmax}): it {_reach(ev.step_rows, micro)}, so it "
+            "is not an intended mask value that a softmax consumes but a fault. A mask's -inf belongs only in "
+            "attention scores before a softmax; for other additive terms use a large finite negative value "
+            "(torch.finfo(dtype).min). If that input is data, not a mask, rename it (names containing "
+            "'mask' or 'bias' count as masks)."
+        )
+    limit = f"{dtype} overflows above {num(dmax)} (torch.finfo(torch.{dtype}).max)"
+    climb = _climb(local, module, step)
+    if is_wide(dtype):  # float32/float64 already: a wider dtype is no cure
+        advice = (
+            f"Values beyond the {dtype} range mean a computation that blows up (exp or pow of a large "
+            f"input, a growing residual or weight): clamp or rescale what feeds {name}, or lower the "
+            "learning rate if it grew over steps."
+        )
+    else:
+        advice = (
+            f"Keep {name} in float32 (under autocast: call it inside torch.autocast(..., enabled=False) with "
+            "a .float() input; in a .half() model: .float() it and its input), rescale what feeds it, or use "
+            "bfloat16."
+        )
+    return f"{head}, from finite inputs (input absmax {in_absmax}); {limit}.{climb} {advice}"
+
+
+def _loss(ev: Event) -> str:
+    f, step_df = ev.fields, ev.step_rows
+    micro, tensor = f["micro_step"], str(f["tensor"])
+    outs = step_df[
+        (step_df["micro_step"] == micro)
+        & (step_df["phase"].astype(str) == "forward")
+        & (step_df["module"].astype(str) == "")
+        & step_df["tensor"].astype(str).str.startswith("output")
+    ]
+    which = "the loss" if tensor.startswith("loss") else "the gradient arriving at the model's outputs"
+    seen = (
+        f"the model's outputs were finite (absmax {num(finite_absmax(outs))})"
+        if len(outs)
+        else "the model's outputs were not recorded (no traced forward in this step)"
+    )
+    head = f"At {_where(ev)} {seen} but {which} was {KIND_WORDS[ev.raw_kind]} ({f['dtype']})."
+    scale = float(ev.row["scale"]) if "scale" in ev.row else 1.0
+    if not tensor.startswith("loss") and scale != 1.0:
+        losses = step_df[
+            (step_df["phase"].astype(str) == "loss") & step_df["tensor"].astype(str).str.startswith("loss")
+        ]
+        loss_ok = len(losses) == 0 or int(losses[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum()) == 0
+        if loss_ok:
+            return (
+                f"{head} The loss itself was finite: the gradient overflowed because it is multiplied by the loss "
+                f"scale {num(scale)}. A GradScaler skips such a step and lowers the scale; if it keeps happening, "
+                "start from a lower init_scale or reduce the loss (e.g. a mean instead of a sum)."
+            )
+    return (
+        f"{head} Compute the loss in float32 (e.g. F.cross_entropy(logits.float(), y)) and use log_softmax "
+        "rather than log(softmax(...))."
+    )
+
+
+def _backward_tail(ev: Event, scale: float, name: str) -> str:
+    if ev.raw_kind == "nan":
+        return (
+            " Not an overflow (a lower loss scale does not remove it): an op whose derivative is infinite at "
+            "the values it saw (log/log1p or sqrt at 0, x/0) under a torch.where/mask that discards its "
+            "result still sends 0·inf = NaN back. Make its input safe before the op, or clamp it away from "
+            "the singular point."
+        )
+    if scale != 1.0:
+        return (
+            " A GradScaler skips such a step and lowers the scale; only a persistent run of them is a fault."
+        )
+    if is_wide(str(ev.fields["dtype"])):
+        return f" Clip or rescale the gradients that flow into {name} (or the loss)."
+    return f" Keep {name} in float32 or clip/rescale what flows into it."
+
+
+def _backward(ev: Event) -> str:
+    f, step_df = ev.fields, ev.step_rows
+    module, dtype, tensor = str(f["module"]), str(f["dtype"]), f["tensor"]
+    name, dmax = module_label(module), dtype_max(dtype)
+    gout = step_df[
+        (step_df["micro_step"] == f["micro_step"])
+        & (step_df["phase"].astype(str).isin(["backward", "loss"]))
+        & (step_df["module"].astype(str) == module)
+        & step_df["tensor"].astype(str).str.startswith("grad_output")
+    ]
+    scale = float(ev.row["scale"]) if "scale" in ev.row else 1.0
+    scaled = f", loss scale {num(scale)}" if scale != 1.0 else ""
+    tail = _backward_tail(ev, scale, name)
+    limit = f"{dtype} overflows above {num(dmax)} (torch.finfo(torch.{dtype}).max)"
+    gdtypes = [str(d) for d in gout["dtype"].astype(str).unique()]
+    narrow = min(gdtypes, key=dtype_max) if gdtypes else dtype
+    if dtype_max(narrow) < dmax:  # e.g. a float32 weight.grad computed from float16 gradients under autocast
+        limit = (
+            f"computed from {narrow} gradients, which overflow above {num(dtype_max(narrow))} "
+            f"(torch.finfo(torch.{narrow}).max)"
+        )
+    incoming = f"finite incoming gradients (grad_output absmax {num(finite_absmax(gout))}{scaled})"
+    if (
+        ev.raw_kind == "nan"
+    ):  # 0·inf, inf−inf, 0/0, sqrt/log of a negative: the dtype's range is not the cause
+        return (
+            f"At {_where(ev)}, the backward of {name} ({f['module_type']}) turned {incoming} into NaN in "
+            f"`{tensor}` ({dtype}): an invalid operation in its backward (0·inf, inf−inf, 0/0, sqrt/log of a "
+            f"negative).{tail}"
+        )
+    return (
+        f"At {_where(ev)}, the backward of {name} ({f['module_type']}) turned {incoming} into "
+        f"{KIND_WORDS[ev.raw_kind]} in `{tensor}` ({dtype}; {limit}).{tail}"
+    )
+
+
+def _optimizer(ev: Event) -> str:
+    f = ev.fields
+    dtype = str(f["dtype"])
+    dmax = dtype_max(dtype)
+    tiny = float(torch.finfo(getattr(torch, dtype)).smallest_normal) if not math.isnan(dmax) else math.nan
+    return (
+        f"At {_where(ev)}, gradients were finite but optimizer.step() made `{f['tensor']}` of "
+        f"{module_label(str(f['module']))} ({f['module_type']}) {KIND_WORDS[ev.raw_kind]} ({dtype}). In {dtype} "
+        "small optimizer constants such as Adam's eps=1e-8 and squared gradients round to 0 "
+        f"(smallest normal {num(tiny)}): keep float32 master weights, or raise eps to ≥1e-4."
+    )
+
+
+def _local(view: RunView) -> pd.DataFrame:
+    r = view.records
+    if "reduced" in r.columns and bool(r["reduced"].to_numpy(dtype=bool).any()):
+        return r[~r["reduced"].to_numpy(dtype=bool)]
+    return r
+
+
+def _explain_event(view: RunView, ev: Event) -> str:
+    """One or two sentences on one rank's event, with the numbers that matter."""
+    phase = ev.fields["phase"]
+    if phase == "data":
+        return _data(ev)
+    if phase == "forward":
+        return _forward(view if len(view.meta.ranks) == 1 else view.rank_view(ev.rank), ev)
+    if phase == "loss":
+        return _loss(ev)
+    if phase == "backward":
+        return _backward(ev)
+    return _optimizer(ev)
+
+
+# ---------------------------------------------------------------------------------------------- notes
+def hunt_hint(view: RunView, ev: Event) -> str:
+    """A sentence pointing to ``nantrace.hunt`` when module hooks cannot name the op, else ``""``.
+
+    Rule (forward and backward overflows only), any of:
+
+    * *internal*: the forward drill-down named an op whose kind is not the kind at the module's output (e.g. a
+      ``matmul`` inf that the module returned as NaN);
+    * *container*: at least one traced submodule ran inside the module in this step, so its own code between
+      them holds ops that module hooks cannot tell apart;
+    * *hand-written*: the module's class does not run torch's own ``forward``, so its forward (and backward)
+      is the user's own sequence of ops. With the live model that is judged by where ``type(m).forward`` is
+      defined, so a subclass ``class MyLinear(nn.Linear): pass`` is built-in and a hand-written class named
+      ``Linear`` is not. Without it (a loaded trace, a model gone) by the class name: ``module_type`` is
+      not a name of a ``torch.nn`` module class.
+
+    So only a built-in ``torch.nn`` leaf layer (``Linear``, ``Conv2d``, ``Embedding``...) whose output held the
+    kind its op made is reported without the hint: the layer is the answer.
+    """
+    f = ev.fields
+    phase, module = f["phase"], str(f["module"])
+    if phase not in ("forward", "backward"):
+        return ""
+    prefix = f"{module}." if module else ""
+    names = ev.step_rows["module"].astype(str).unique()
+    n_sub = sum(1 for n in names if n != module and n.startswith(prefix))
+    internal = phase == "forward" and ev.op is not None and int(ev.row[f"n_{ev.raw_kind}"]) == 0
+    mtype = str(f["module_type"])
+    is_builtin = view.model.builtin(module) if view.model is not None else None
+    if is_builtin is None:
+        layer = getattr(torch.nn, mtype, None)
+        is_builtin = isinstance(layer, type) and issubclass(layer, torch.nn.Module)
+    if not internal and n_sub == 0 and is_builtin:
+        return ""
+    name = module_label(module)
+    if internal:
+        why = (
+            f"the {KIND_WORDS[ev.raw_kind]} was made inside {name} by `{ev.op}` and never reached its output"
+        )
+    elif n_sub:
+        why = f"{name} has {n_sub} traced submodule(s), and the ops of its own code between them are not seen one by one"
+    else:
+        why = f"{name} is hand-written code ({mtype}), a sequence of ops"
+    if phase == "forward":
+        how = (
+            f'; or trace again with capture="{module}" and hunt the saved call: ov.save_repro(path), then '
+            "nantrace.hunt(nantrace.load_repro(path).run)"
+        )
+        if _captured_this(view, f):
+            how = (
+                "; this trace captured that call, so hunt it in isolation: ov.save_repro(path), then "
+                "nantrace.hunt(nantrace.load_repro(path).run)"
+            )
+    else:
+        how = ": it names the backward op and the forward line it belongs to"
+    also = ' (kind="nan" for the op that made the NaN itself)' if f["kind"] == "nan" else ""
+    return (
+        f" To name the exact op and source line ({why}), run this step under nantrace.hunt(step_fn){also}, "
+        f"which is slow: every op is checked{how}."
+    )
+
+
+def _captured_this(view: RunView, fields: dict[str, Any]) -> bool:
+    """The recording's capture holds exactly this overflow's call (so ``Overflow.save_repro`` saves it)."""
+    if view.capture is None:
+        return False
+    try:
+        captured_call(view.capture, Overflow(**fields), for_overflow=True)
+    except NantraceError:
+        return False
+    return True
+
+
+def _filter_note(view: RunView, fields: dict[str, Any]) -> str:
+    if fields["phase"] not in ("forward", "backward") or view.model is None:
+        return ""
+    if not view.model.hides_submodules_of(str(fields["module"])):
+        return ""
+    return (
+        f" (Only the modules matching modules={view.meta.options['modules']} were traced: an untraced "
+        "submodule inside the reported one may be the real producer.)"
+    )
+
+
+def _received_text(ev: Event, world_size: int | None) -> str:
+    f = ev.fields
+    of = f" of {world_size}" if world_size else ""
+    return (
+        f"At step {f['step']}, rank {ev.rank}{of} computed finite local gradients, but `{f['tensor']}` of "
+        f"{module_label(str(f['module']))} held {KIND_WORDS[ev.raw_kind]} after the gradient reduction (DDP "
+        f"all-reduce / FSDP reduce-scatter): rank {ev.rank} received it and did not produce it. Load the parts of "
+        "every rank (nantrace.load on the path all ranks saved to) to name the rank that produced it."
+    )
+
+
+def _reduction_text(ev: Event, holders: tuple[int, ...]) -> str:
+    f = ev.fields
+    return (
+        f"At step {f['step']} every rank's local gradients were finite, but `{f['tensor']}` of "
+        f"{module_label(str(f['module']))} held {KIND_WORDS[ev.raw_kind]} after the gradient reduction on "
+        f"rank{'s' if len(holders) > 1 else ''} {', '.join(map(str, holders))}: the reduction itself produced it "
+        "(e.g. a communication hook that compresses gradients to float16, whose max is 65504). Reduce in "
+        "float32 or scale gradients down first."
+    )
+
+
+def _message(view: RunView, found: Finding, per_rank: bool) -> str:
+    ev = found.event
+    if found.how == "reduction":
+        return _reduction_text(ev, found.receivers)
+    if ev.received:
+        return _received_text(ev, view.meta.world_size)
+    text = _explain_event(view, ev)
+    if found.n_ranks == 1 and not ev.step_rows["reduced"].to_numpy(dtype=bool).any():
+        text += hunt_hint(view, ev)
+    text += _filter_note(view, ev.fields)
+    if per_rank or found.n_ranks == 1:
+        return text
+    note = f"Rank {ev.rank} of {view.meta.world_size or found.n_ranks} produced it. "
+    got = found.receivers
+    tail = ""
+    if got:
+        tail = (
+            f" Rank{'s' if len(got) > 1 else ''} {', '.join(map(str, got))} only received it through the gradient "
+            "reduction (propagated, not produced)."
+        )
+    return note + text + tail
+
+
+def _overflow(view: RunView, found: Finding, per_rank: bool) -> Overflow:
+    ev = found.event
+    return Overflow(
+        **ev.fields,
+        message=_message(view, found, per_rank),
+        rank=ev.rank,
+        propagated=ev.received and found.how != "reduction",
+        _captured=view.capture,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- entry points
+def first_overflow(view: RunView, kind: str | None = None) -> Overflow | None:
+    """The producer of the first non-finite value of ``view``, or None if every recorded value was finite.
+
+    Raises:
+        ValueError: ``kind`` is not None, ``"inf"`` or ``"nan"``.
+    """
+    found = find(view.records, wanted_kinds(kind), view.ops, world_size=view.meta.world_size, first_only=True)
+    return _overflow(view, found[0], False) if found else None
+
+
+def overflows(view: RunView, kind: str | None = None, *, per_rank: bool = False) -> pd.DataFrame:
+    """One row per step that saw a non-finite value: that step's first producer (columns of :class:`Overflow`
+    plus ``message``). ``per_rank=True``: one row per (step, rank) instead, each rank's own first non-finite
+    value (``propagated`` where the rank only received it through the gradient reduction).
+
+    Raises:
+        ValueError: ``kind`` is not None, ``"inf"`` or ``"nan"``.
+    """
+    found = find(
+        view.records,
+        wanted_kinds(kind),
+        view.ops,
+        world_size=view.meta.world_size,
+        first_only=False,
+        per_rank=per_rank,
+    )
+    rows = [_overflow(view, f, per_rank) for f in found]
+    cols = [*OVERFLOW_COLUMNS, "message"]
+    df = pd.DataFrame([{**o.to_dict(), "message": o.message} for o in rows], columns=cols)
+    if len(df):
+        ints = ["step", "micro_step", "call", "rank"]
+        df[ints] = df[ints].astype("int64")
+        df["propagated"] = df["propagated"].astype(bool)
+    return df

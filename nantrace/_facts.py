@@ -1,0 +1,414 @@
+"""The facts the diagnosis rules read, computed once from a run view: :class:`Facts` (per-step lookups, skip
+runs, series of absmax, loss and weights), the update-to-weight ratio, trends and the divergence rule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ._diagnosis import (
+    COLLAPSE_RECURRING,
+    COLLAPSE_RUN,
+    DIVERGENCE_GROWTH,
+    DIVERGENCE_LOSS_GROWTH,
+    DIVERGENCE_MIN_STEPS,
+    DIVERGENCE_RISING,
+    DIVERGENCE_UPDATE_RATIO,
+    DIVERGENCE_WEIGHT_GROWTH,
+    DIVERGENCE_WINDOW,
+    HEALTHY_UPDATE_RATIO,
+)
+from ._explain import overflows
+from ._fmt import module_label, num
+from ._masks import is_mask
+from ._overflow import Overflow
+from ._schema import DType
+from ._view import RunView
+
+__all__ = [
+    "DivergenceFacts",
+    "Facts",
+    "Trend",
+    "as_float",
+    "divergence",
+    "overflow_from_row",
+    "ratio_per_step",
+    "trend",
+    "update_ratios",
+]
+
+
+# ---------------------------------------------------------------------------------------------- the run
+class Facts:
+    """A run view's tables with the string views and per-step lookups the rules use."""
+
+    def __init__(self, view: RunView) -> None:
+        self.view = view
+        self.records: pd.DataFrame = view.records
+        self.steps: pd.DataFrame = view.steps
+        self.ops: pd.DataFrame = view.ops
+        self.options: dict[str, Any] = dict(view.meta.options)
+        # the live model's handle (None when loaded or gone): only weights_beyond_of reads it
+        self.model = view.model
+        self.events: list[Overflow] = [overflow_from_row(r) for r in overflows(view).to_dict("records")]
+        r = self.records
+        self.phase = r["phase"].astype(str).to_numpy()
+        self.module = r["module"].astype(str).to_numpy()
+        self.tensor = r["tensor"].astype(str).to_numpy().astype(str)
+        self._starts: dict[str, np.ndarray] = {}
+        self.step = r["step"].to_numpy().astype(np.int64)
+        self.absmax = r["absmax"].to_numpy(dtype=np.float64)
+        self.nonfinite = (
+            (r["n_nan"].to_numpy() > 0) | (r["n_posinf"].to_numpy() > 0) | (r["n_neginf"].to_numpy() > 0)
+        ) & ~is_mask(r)
+        self.is_output = self.starts("output") if len(r) else np.zeros(0, bool)
+        st = self.steps.sort_values("step") if len(self.steps) else self.steps
+        self.step_ids: list[int] = [int(s) for s in st["step"].tolist()] if len(st) else []
+        self.skipped: dict[int, bool | None] = {}
+        self.scale: dict[int, float] = {}
+        self.next_scale: dict[int, float] = {}
+        self.loss: dict[int, float] = {}
+        self.lr: dict[int, float] = {}
+        self.grad_norm: dict[int, float] = {}
+        if len(st):
+            for row in st.to_dict("records"):
+                s = int(row["step"])
+                sk = row["skipped"]
+                self.skipped[s] = None if sk is None or pd.isna(sk) else bool(sk)
+                self.scale[s] = as_float(row["scale"])
+                self.next_scale[s] = as_float(row["next_scale"])
+                self.loss[s] = as_float(row["loss"])
+                self.lr[s] = as_float(row["lr"])
+                self.grad_norm[s] = as_float(row["grad_norm"])
+        loss_rows = (self.phase == "loss") & self.starts("loss")
+        self._loss_seen = set(self.step[loss_rows].tolist())
+        self._loss_bad = set(self.step[loss_rows & self.nonfinite].tolist())
+        self._runs: dict[int, list[int]] = {}
+        current: list[int] = []
+        for s in self.step_ids:
+            if self.skipped.get(s) is True:
+                current.append(s)
+                self._runs[s] = current
+            else:
+                current = []
+
+    # --- small queries
+    def starts(self, prefix: str) -> np.ndarray:
+        """Rows whose tensor path starts with ``prefix`` (cached)."""
+        hit = self._starts.get(prefix)
+        if hit is None:
+            hit = np.char.startswith(self.tensor, prefix) if len(self.tensor) else np.zeros(0, dtype=bool)
+            self._starts[prefix] = hit
+        return hit
+
+    def whole_backward(self) -> bool:
+        """The trace recorded the backward of the whole model (``backward`` phase, no ``modules=`` filter), so
+        a non-finite gradient of it could not have gone unrecorded."""
+        phases = self.options.get("phases")
+        return (phases is None or "backward" in phases) and self.options.get("modules") is None
+
+    def has_scaler(self) -> bool:
+        return any(v is not None for v in self.skipped.values()) or any(
+            not math.isnan(v) for v in self.scale.values()
+        )
+
+    def skipped_steps(self) -> list[int]:
+        return [s for s in self.step_ids if self.skipped.get(s) is True]
+
+    def skip_run(self, step: int) -> list[int]:
+        """The consecutive skipped steps around ``step`` (in ``steps`` order); ``[step]`` if it was not skipped."""
+        return self._runs.get(step, [step])
+
+    def scale_range(self, steps: Sequence[int]) -> tuple[float, float]:
+        """(scale used by the first of ``steps``, scale after the last of them: its ``next_scale``)."""
+        used = [self.scale.get(s, math.nan) for s in steps]
+        after = [self.next_scale.get(s, math.nan) for s in steps]
+        first = next((v for v in used if not math.isnan(v)), math.nan)
+        last = next((v for v in reversed(after) if not math.isnan(v)), math.nan)
+        if math.isnan(last):
+            last = next((v for v in reversed(used) if not math.isnan(v)), math.nan)
+        return first, last
+
+    def resumed_after(self, step: int) -> bool:
+        return any(self.skipped.get(s) is False for s in self.step_ids if s > step)
+
+    def is_collapse(self, run: list[int]) -> bool:
+        if len(run) >= COLLAPSE_RUN:
+            return True
+        scales = [self.scale.get(s, math.nan) for s in run] + [self.next_scale.get(s, math.nan) for s in run]
+        if any(v < 1 for v in scales if not math.isnan(v)):
+            return True
+        # steps from the run's start up to the first fault a lower scale cannot remove: skips caused by that
+        # fault (e.g. a forward overflow every step) say nothing about the scale
+        limit = self.first_fault_step()
+        later = [s for s in self.step_ids if run[0] <= s < limit]
+        n_skip = sum(1 for s in later if self.skipped.get(s) is True)
+        if 2 * n_skip < len(later):
+            return False
+        if n_skip >= COLLAPSE_RUN:
+            return True
+        n_runs = len({self._runs[s][0] for s in later if s in self._runs})
+        first, last = self.scale_range(later)
+        fell = not (math.isnan(first) or math.isnan(last)) and last <= first / 2 ** (COLLAPSE_RECURRING - 1)
+        return n_runs >= COLLAPSE_RECURRING and fell
+
+    def first_fault_step(self) -> float:
+        """Step of the first event that is not scale-dependent (``inf`` when there is none)."""
+        faults = [ev.step for ev in self.events if not self.scale_dependent(ev)]
+        return min(faults) if faults else math.inf
+
+    def fresh_steps(self) -> set[int]:
+        """Steps whose weights differ from the step before: the first step, and every step after one the scaler
+        did not skip (a skipped step leaves the weights, hence the next step's activations, unchanged)."""
+        ids = self.step_ids
+        return {s for i, s in enumerate(ids) if i == 0 or self.skipped.get(ids[i - 1]) is not True}
+
+    def loss_finite(self, step: int) -> bool:
+        if step in self._loss_seen:
+            return step not in self._loss_bad
+        return not math.isinf(self.loss.get(step, math.nan))
+
+    def scale_dependent(self, ev: Overflow) -> bool:
+        """The scaler skipped this step and the event is one a lower loss scale can remove."""
+        if self.skipped.get(ev.step) is not True:  # also None: no scaler
+            return False
+        if ev.phase == "backward":
+            return True
+        return ev.phase == "loss" and not ev.tensor.startswith("loss") and self.loss_finite(ev.step)
+
+    def output_series(self, module: str | None, before: int) -> pd.Series:
+        """Per-step max finite absmax of forward outputs (of ``module``, or of every module), steps < before."""
+        m = (self.phase == "forward") & self.is_output & (self.step < before) & np.isfinite(self.absmax)
+        if module is not None:
+            m &= self.module == module
+        if not m.any():
+            return pd.Series(dtype=np.float64)
+        return pd.Series(self.absmax[m]).groupby(self.step[m]).max().sort_index()
+
+    def weight_series(self, before: int) -> pd.Series:
+        m = (self.phase == "optimizer") & (self.step < before) & np.isfinite(self.absmax)
+        if not m.any():
+            return pd.Series(dtype=np.float64)
+        return pd.Series(self.absmax[m]).groupby(self.step[m]).max().sort_index()
+
+    def rows_of(
+        self, step: int, phase: str | Sequence[str], module: str | None = None, prefix: str | None = None
+    ) -> pd.DataFrame:
+        phases = [phase] if isinstance(phase, str) else list(phase)
+        m = (self.step == step) & np.isin(self.phase, phases)
+        if module is not None:
+            m &= self.module == module
+        if prefix is not None:
+            m &= self.starts(prefix)
+        return self.records[m]
+
+    def op_of(self, ev: Overflow, kind: str | None = None) -> str | None:
+        """The torch op the forward replay found inside the event's module call, if any."""
+        o = self.ops
+        if not len(o) or "op" not in o.columns:
+            return None
+        m = (
+            (o["step"].to_numpy() == ev.step)
+            & (o["micro_step"].to_numpy() == ev.micro_step)
+            & (o["module"].astype(str).to_numpy() == ev.module)
+            & (o["call"].to_numpy() == ev.call)
+        )
+        if kind is not None:
+            m &= o["kind"].astype(str).to_numpy() == kind
+        hit = o[m]
+        return str(hit["op"].iloc[0]) if len(hit) else None
+
+    def autocast(self) -> bool:
+        """True when forward outputs were float16/bfloat16 while the inputs or the parameters (their gradients
+        or optimizer-phase values) were float32: the signature of ``torch.autocast``. Token-id inputs are
+        integers and not recorded, so the parameters decide for language models."""
+        dt = self.records["dtype"].astype(str).to_numpy()
+        tensors = self.records["tensor"].astype(str).to_numpy()
+        half = ["float16", "bfloat16"]
+        fwd_half = bool(np.isin(dt[(self.phase == "forward") & self.is_output], half).any())
+        data_wide = bool((dt[self.phase == "data"] == "float32").any())
+        params = (self.phase == "optimizer") | np.char.endswith(tensors.astype(str), ".grad")
+        params_wide = bool((dt[params] == "float32").any())
+        return fwd_half and (data_wide or params_wide)
+
+
+def as_float(v: Any) -> float:
+    try:
+        return math.nan if v is None or pd.isna(v) else float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def overflow_from_row(r: Mapping[Any, Any]) -> Overflow:
+    return Overflow(
+        step=int(r["step"]),
+        micro_step=int(r["micro_step"]),
+        phase=str(r["phase"]),
+        module=str(r["module"]),
+        module_type=str(r["module_type"]),
+        call=int(r["call"]),
+        tensor=str(r["tensor"]),
+        kind=str(r["kind"]),
+        dtype=DType(str(r["dtype"])),
+        message=str(r.get("message", "") or ""),
+        rank=int(r.get("rank", 0) or 0),
+        propagated=bool(r.get("propagated", False)),
+    )
+
+
+def finite_absmax(rows: pd.DataFrame, col: str = "absmax") -> float:
+    v = rows[col].to_numpy(dtype=np.float64) if len(rows) else np.zeros(0)
+    v = v[np.isfinite(v)]
+    return float(v.max()) if v.size else math.nan
+
+
+# ---------------------------------------------------------------------------------------------- update ratio
+def update_ratios(records: pd.DataFrame) -> pd.DataFrame:
+    """Per step and parameter, the update-to-weight ratio estimated from ``optimizer``-phase rows.
+
+    ``ratio = |absmax_t - absmax_{t-1}| / absmax_{t-1}``, where ``absmax_t`` is the parameter's largest finite
+    ``|w|`` after ``optimizer.step()`` of step ``t`` (a lower bound on ``max|Δw| / max|w|``; healthy training
+    is about 1e-3, :data:`HEALTHY_UPDATE_RATIO`). Needs ``optimizer=`` in ``nantrace.trace``; the first
+    recorded step of each parameter has no ratio.
+
+    Args:
+        records: a trace's ``records``.
+
+    Returns:
+        DataFrame ``step, module, tensor, absmax_before, absmax, ratio`` (one row per parameter and step from
+        its second recording on; empty when no parameter was recorded twice).
+    """
+    cols = ["step", "module", "tensor", "absmax_before", "absmax", "ratio"]
+    opt = records[records["phase"].astype(str) == "optimizer"]
+    if len(opt) == 0:
+        return pd.DataFrame(columns=cols)
+    df = pd.DataFrame(
+        {
+            "step": opt["step"].to_numpy().astype(np.int64),
+            "module": opt["module"].astype(str).to_numpy(),
+            "tensor": opt["tensor"].astype(str).to_numpy(),
+            "absmax": opt["absmax"].to_numpy(dtype=np.float64),
+        }
+    )
+    # one value per (parameter, step): the last recording of the step
+    df = df.groupby(["module", "tensor", "step"], sort=True).last().reset_index()
+    df["absmax_before"] = df.groupby(["module", "tensor"])["absmax"].shift(1)
+    df = df.dropna(subset=["absmax_before"])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        before = df["absmax_before"].to_numpy(dtype=np.float64)
+        after = df["absmax"].to_numpy(dtype=np.float64)
+        ratio = np.where(before > 0, np.abs(after - before) / before, np.nan)
+    df = df.assign(ratio=ratio)
+    return df[cols].sort_values(["step", "module", "tensor"]).reset_index(drop=True)
+
+
+def ratio_per_step(records: pd.DataFrame) -> pd.Series:
+    ur = update_ratios(records)
+    ur = ur[np.isfinite(ur["ratio"].to_numpy(dtype=np.float64))]
+    if len(ur) == 0:
+        return pd.Series(dtype=np.float64)
+    return ur.groupby("step")["ratio"].median().sort_index()
+
+
+# ---------------------------------------------------------------------------------------------- divergence
+@dataclass
+class Trend:
+    growth: float = math.nan
+    rising: float = math.nan
+    first_step: int = 0
+    last_step: int = 0
+    first: float = math.nan
+    last: float = math.nan
+    n: int = 0
+
+
+def trend(series: pd.Series, window: int = DIVERGENCE_WINDOW) -> Trend:
+    s = series[np.isfinite(series.to_numpy(dtype=np.float64))].tail(window)
+    if len(s) < 2:
+        return Trend(n=len(s))
+    v = s.to_numpy(dtype=np.float64)
+    growth = v[-1] / v[0] if v[0] > 0 else math.inf if v[-1] > 0 else math.nan
+    rising = float(np.mean(np.diff(v) > 0))
+    return Trend(growth, rising, int(s.index[0]), int(s.index[-1]), float(v[0]), float(v[-1]), len(s))
+
+
+@dataclass
+class DivergenceFacts:
+    found: bool
+    evidence: list[str]
+    lr: float = math.nan
+    ratio: float = math.nan
+
+
+def divergence(
+    run: Facts,
+    before: int,
+    module: str | None,
+    *,
+    growth_needed: float = DIVERGENCE_GROWTH,
+    loss_growth_needed: float = DIVERGENCE_LOSS_GROWTH,
+    quiet: bool = False,
+) -> DivergenceFacts:
+    """The divergence rule (module docstring) over the steps before ``before``."""
+    fresh = run.fresh_steps()
+    act = run.output_series(module, before)
+    act = act[act.index.isin(fresh)]
+    who = module_label(module) + " output" if module is not None else "forward output"
+    if module is not None and len(act) < DIVERGENCE_MIN_STEPS:
+        act, who = run.output_series(None, before), "forward output"
+        act = act[act.index.isin(fresh)]
+    if len(act) < DIVERGENCE_MIN_STEPS:
+        return DivergenceFacts(False, [])
+    window = act.tail(DIVERGENCE_WINDOW)
+    t = trend(window)
+    if not (t.growth >= growth_needed and t.rising >= DIVERGENCE_RISING):
+        return DivergenceFacts(False, [])
+    steps = [s for s in run.step_ids if t.first_step <= s <= t.last_step and s in fresh]
+    loss = pd.Series({s: run.loss.get(s, math.nan) for s in steps}, dtype=np.float64)
+    loss = loss[np.isfinite(loss.to_numpy()) & (loss.to_numpy() > 0)]
+    lt = trend(loss) if len(loss) >= DIVERGENCE_MIN_STEPS else None
+    ratios = ratio_per_step(run.records)
+    ratios = ratios[(ratios.index >= t.first_step) & (ratios.index <= t.last_step)]
+    ratio = float(ratios.median()) if len(ratios) else math.nan
+    wt = trend(run.weight_series(before).loc[t.first_step : t.last_step])
+    has_params = wt.n >= 2 or len(ratios) > 0
+    params_ok = (not math.isnan(ratio) and ratio >= DIVERGENCE_UPDATE_RATIO) or (
+        wt.n >= 2 and wt.growth >= DIVERGENCE_WEIGHT_GROWTH
+    )
+    loss_ok = lt is not None and lt.growth >= loss_growth_needed and lt.rising >= 0.5
+    if lt is None and not has_params:
+        return DivergenceFacts(False, [])
+    if lt is not None and not loss_ok:
+        return DivergenceFacts(False, [])
+    if has_params and not params_ok:
+        return DivergenceFacts(False, [])
+    if quiet and not (loss_ok and params_ok):
+        return DivergenceFacts(False, [])
+    ev = [
+        f"{who} absmax grew {num(t.first)} → {num(t.last)} (×{num(t.growth)}) over steps "
+        f"{t.first_step}–{t.last_step}, rising in {t.rising:.0%} of the steps"
+    ]
+    if lt is not None:
+        ev.append(f"loss rose {num(lt.first)} → {num(lt.last)} (×{num(lt.growth)}) over the same steps")
+    if not math.isnan(ratio):
+        ev.append(
+            f"update-to-weight ratio (change of a parameter's absmax per step) was {num(ratio)} (median), "
+            f"healthy is about {HEALTHY_UPDATE_RATIO:g}"
+        )
+    if wt.n >= 2:
+        ev.append(f"weight absmax grew {num(wt.first)} → {num(wt.last)} (×{num(wt.growth)})")
+    lrs = [run.lr.get(s, math.nan) for s in steps]
+    lrs = [v for v in lrs if not math.isnan(v)]
+    lr = lrs[-1] if lrs else math.nan
+    if not math.isnan(lr):
+        gn = [run.grad_norm.get(s, math.nan) for s in steps]
+        gn = [v for v in gn if math.isfinite(v)]
+        ev.append(
+            f"learning rate {num(lr)}" + (f", gradient norm {num(gn[0])} → {num(gn[-1])}" if gn else "")
+        )
+    return DivergenceFacts(True, ev, lr, ratio)

@@ -1,0 +1,195 @@
+"""The trace file format: one parquet file (pyarrow) per trace, or per rank part.
+
+The file's table is ``records``. Its schema metadata holds, under the key ``b"nantrace"``, a JSON header
+(format version, nantrace/torch/python versions, model class, dtypes, the arguments of ``trace``, rank and
+world size, the run id all ranks of a distributed recording share, the time of the save ``saved_at``) and, as
+base64 Arrow IPC streams, the ``steps`` and ``ops`` tables, so dtypes survive the round trip exactly.
+
+This module encodes and decodes; :mod:`nantrace._io` saves and loads run views with it, and the recorder's
+streaming writes the same footer.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import platform
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from ._errors import NantraceError
+from ._files import atomic_write
+from ._store import canonical_records, canonical_steps, category_index
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "footer",
+    "make_header",
+    "read_header",
+    "read_meta",
+    "read_records",
+    "read_trace",
+    "write_trace",
+]
+
+MAGIC = b"nantrace"
+FORMAT_VERSION = 1  # bump on incompatible schema changes; a reader accepts files with the same major version
+
+
+def _pa() -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    return pa, pq
+
+
+def _ipc(df: pd.DataFrame) -> str:
+    pa, _ = _pa()
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return base64.b64encode(sink.getvalue().to_pybytes()).decode("ascii")
+
+
+def from_ipc(text: str) -> pd.DataFrame:
+    """A table written by the footer's Arrow IPC encoding, with categorical columns normalised."""
+    pa, _ = _pa()
+    reader = pa.ipc.open_stream(pa.py_buffer(base64.b64decode(text)))
+    df = reader.read_all().to_pandas()
+    for c in df.columns:  # categories of pandas' default string dtype, as the recorder builds them
+        if isinstance(df[c].dtype, pd.CategoricalDtype):
+            cats = df[c].cat.categories
+            df[c] = pd.Categorical.from_codes(
+                df[c].cat.codes.to_numpy(), categories=category_index([str(v) for v in cats]), validate=False
+            )
+    return df
+
+
+def make_header(
+    *,
+    model_class: str,
+    options: dict[str, Any],
+    records: pd.DataFrame,
+    rank: int | None,
+    world_size: int,
+    run_id: str | None,
+) -> dict[str, Any]:
+    """The JSON header of a trace file (``saved_at`` is now)."""
+    from ._version import __version__
+
+    return {
+        "format": FORMAT_VERSION,
+        "nantrace": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "model_class": model_class,
+        "dtypes": sorted({str(d) for d in records["dtype"].astype(str).unique()}) if len(records) else [],
+        "options": options,
+        "rank": rank,
+        "world_size": world_size,
+        # shared by every rank of one distributed recording (None in a single process): see nantrace._procgroup
+        "run_id": run_id,
+        "saved_at": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
+    }
+
+
+def footer(header: dict[str, Any], steps: pd.DataFrame, ops: pd.DataFrame) -> bytes:
+    """The nantrace metadata of a trace file: JSON header, and ``steps``/``ops`` as Arrow IPC."""
+    return json.dumps({"header": header, "steps": _ipc(steps), "ops": _ipc(ops)}).encode("utf-8")
+
+
+def write_trace(
+    target: Path, records: pd.DataFrame, steps: pd.DataFrame, ops: pd.DataFrame, header: dict[str, Any]
+) -> Path:
+    """Write one trace file at ``target``, atomically (:func:`nantrace._files.atomic_write`)."""
+    pa, pq = _pa()
+    table = pa.Table.from_pandas(records, preserve_index=False)
+    schema_meta = dict(table.schema.metadata or {})
+    schema_meta[MAGIC] = footer(header, steps, ops)
+    table = table.replace_schema_metadata(schema_meta)
+    return atomic_write(target, lambda f: pq.write_table(table, f, compression="zstd"))
+
+
+def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON header of a saved trace (versions, model class, dtypes, options) without reading the rows.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        NantraceError: ``path`` is not a nantrace trace, or was written by an incompatible format version.
+    """
+    return dict(read_meta(path)["header"])
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The nantrace metadata of a trace file: ``header``, and ``steps``/``ops`` still encoded.
+
+    Raises:
+        TypeError: ``path`` is not a str or path-like.
+        FileNotFoundError: ``path`` does not exist.
+        NantraceError: not a trace file (a reproducer is named as such), damaged metadata, another format.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike; got {type(path).__name__}: {path!r:.80}")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"no such trace file: {str(p)!r}")
+    _, pq = _pa()
+    try:
+        file_meta = pq.ParquetFile(p).metadata.metadata
+    except Exception as e:
+        if _is_repro(p):
+            raise NantraceError(
+                f"{str(p)!r} is a nantrace reproducer (written by save_repro), not a trace: rebuild it with "
+                "nantrace.load_repro(path)"
+            ) from None
+        raise NantraceError(f"{str(p)!r} is not a nantrace trace (not a parquet file: {e})") from None
+    raw = (file_meta or {}).get(MAGIC)
+    if raw is None:
+        raise NantraceError(f"{str(p)!r} is a parquet file but not a nantrace trace (no nantrace metadata)")
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+        fmt = int(meta["header"]["format"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise NantraceError(f"{str(p)!r} has damaged nantrace metadata ({e})") from None
+    if fmt != FORMAT_VERSION:
+        raise NantraceError(
+            f"{str(p)!r} was written in trace format {fmt} by nantrace {meta['header'].get('nantrace')}; "
+            f"this nantrace reads format {FORMAT_VERSION}. Load it with a matching nantrace version."
+        )
+    return dict(meta)
+
+
+def _is_repro(p: Path) -> bool:
+    """True when ``p`` is a ``torch.save`` zip archive holding a nantrace reproducer (read without unpickling)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(p) as z:
+            names = z.namelist()
+            pkl = next((n for n in names if n.endswith("/data.pkl")), None)
+            return pkl is not None and b"module_pickle" in z.read(pkl)
+    except (OSError, zipfile.BadZipFile, KeyError):
+        return False
+
+
+def read_records(path: str | os.PathLike[str]) -> pd.DataFrame:
+    """The ``records`` table of a trace file (written by ``save`` or streamed with ``trace(path=...)``)."""
+    _, pq = _pa()
+    return canonical_records(pq.read_table(Path(path).expanduser()).to_pandas())
+
+
+def read_trace(path: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict[str, Any]]:
+    """``records, steps, ops, header`` of one trace file (see :func:`read_meta` for what is raised)."""
+    meta = read_meta(path)
+    records = read_records(path)
+    steps = from_ipc(meta["steps"])
+    if "rank" not in steps.columns:  # written before the rank column existed: one process, rank 0
+        steps["rank"] = pd.array([meta["header"].get("rank") or 0] * len(steps), dtype="int32")
+    return records, canonical_steps(steps), from_ipc(meta["ops"]), dict(meta["header"])

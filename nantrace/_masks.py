@@ -1,0 +1,71 @@
+"""The mask rule (locator rule 3), on arrays and on ``records`` frames (a leaf module).
+
+A tensor is an attention mask when it holds no NaN or +inf and either its name says so (the forward parameter it
+was passed as, or its path, contains ``"mask"`` or ``"bias"``, as in ``attention_mask`` or ``attn_bias``) or
+every value is 0 or -inf; the value rule does not apply to the model's first positional argument (``input[0]``
+of phase data: the features, where ``log(one_hot)`` is data). A mask's -inf is recorded but never reported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+__all__ = ["FEATURES", "MASK_WORDS", "is_mask", "mask_named", "mask_rows", "names_flag"]
+
+MASK_WORDS = ("mask", "bias")  # attention_mask, src_mask, attn_bias, position_bias, alibi_bias, ...
+FEATURES = "input[0]"  # the path of the model's first positional argument (phase "data"): its features
+
+
+def mask_named(name: str) -> bool:
+    """True when a parameter name or tensor path says it is an additive attention mask or bias."""
+    low = name.lower()
+    return any(w in low for w in MASK_WORDS)
+
+
+def mask_rows(
+    n_nan: np.ndarray,
+    n_posinf: np.ndarray,
+    n_neginf: np.ndarray,
+    n_zero: np.ndarray,
+    numel: np.ndarray,
+    activation: np.ndarray,
+    named: np.ndarray,
+    features: np.ndarray | None = None,
+) -> np.ndarray:
+    """Rule 3 on arrays: rows that are attention masks (``activation``: data/forward rows; ``named``: the
+    parameter name or path contains "mask" or "bias"; ``features``: the rows of the model's first positional
+    argument, ``input[0]`` of phase data, where the value rule "every value is 0 or -inf" does not apply, so
+    ``log(one_hot)`` there is data, not a mask)."""
+    only_mask_values = (n_zero + n_neginf) == numel
+    if features is not None:
+        only_mask_values = only_mask_values & ~features
+    return (n_neginf > 0) & (n_nan == 0) & (n_posinf == 0) & activation & (named | only_mask_values)
+
+
+def names_flag(col: Any) -> np.ndarray:
+    """Boolean array: which values of a (categorical or plain) text column are mask names."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        cats = np.array([mask_named(str(v)) for v in col.cat.categories], dtype=bool)
+        codes = col.cat.codes.to_numpy()
+        return np.where(codes >= 0, cats[np.maximum(codes, 0)] if len(cats) else False, False)
+    return np.array([mask_named(str(v)) for v in col.fillna("").to_numpy()], dtype=bool)
+
+
+def is_mask(df: pd.DataFrame) -> np.ndarray:
+    """Boolean array: which rows of ``df`` (records) are attention masks whose -inf is not a fault (rule 3)."""
+    if len(df) == 0:
+        return np.zeros(0, dtype=bool)
+    phase = df["phase"].astype(str).to_numpy()
+    return mask_rows(
+        df["n_nan"].to_numpy(),
+        df["n_posinf"].to_numpy(),
+        df["n_neginf"].to_numpy(),
+        df["n_zero"].to_numpy(),
+        df["numel"].to_numpy(),
+        (phase == "data") | (phase == "forward"),
+        names_flag(df["tensor"]) | names_flag(df["arg"]),
+        (phase == "data") & (df["tensor"].astype(str).to_numpy() == FEATURES),
+    )

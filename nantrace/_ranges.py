@@ -1,0 +1,95 @@
+"""Range facts over ``records``: least headroom per module, float32 weights beyond a narrower dtype's range,
+the finite absmax of a set of rows. Pure pandas/numpy, shared by the explanations, the diagnosis and the
+reports."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from ._schema import FP16_MAX, dtype_max, is_wide
+
+__all__ = ["finite_absmax", "headroom_table", "lowest_rank_steps", "weights_beyond"]
+
+
+def weights_beyond(
+    records: pd.DataFrame, module: str, step: int, dtype: str
+) -> list[tuple[str, str, float, int]]:
+    """The parameters of ``module`` (its own, not its submodules') whose latest recorded value before ``step``
+    does not fit ``dtype``: ``(tensor, param dtype, absmax, step it grew past)``, largest absmax first.
+
+    Read from phase ``optimizer`` rows (parameters after ``optimizer.step()``; recorded only with
+    ``optimizer=``): for each parameter its row of the latest step < ``step`` (the value the forward of ``step``
+    used) counts when its finite absmax exceeds ``dtype``'s max while the parameter's own dtype is wider, i.e.
+    a float32 weight above 65504 that autocast casts to float16 (the cast gives inf). The step it grew past is
+    the first of the consecutive latest rows above that max. Empty for a wide ``dtype`` (float32/float64), or
+    when no such row is recorded.
+    """
+    limit = dtype_max(dtype)
+    if math.isnan(limit) or is_wide(dtype) or not len(records):
+        return []
+    rows = records[
+        (records["phase"].astype(str) == "optimizer")
+        & (records["module"].astype(str) == module)
+        & (records["step"] < step)
+    ]
+    out: list[tuple[str, str, float, int]] = []
+    for tensor, g in rows.groupby(rows["tensor"].astype(str), sort=False):
+        g = g.sort_values("step")
+        pdtype = str(g["dtype"].iloc[-1])
+        absmax = g["absmax"].to_numpy(dtype=np.float64)
+        if not (np.isfinite(absmax[-1]) and absmax[-1] > limit and dtype_max(pdtype) > limit):
+            continue
+        i = len(absmax) - 1
+        while i > 0 and np.isfinite(absmax[i - 1]) and absmax[i - 1] > limit:
+            i -= 1
+        out.append((str(tensor), pdtype, float(absmax[-1]), int(g["step"].iloc[i])))
+    return sorted(out, key=lambda t: -t[2])
+
+
+def finite_absmax(rows: pd.DataFrame) -> float:
+    v = rows["absmax"].to_numpy(dtype=np.float64)
+    v = v[np.isfinite(v)]
+    return float(v.max()) if v.size else math.nan
+
+
+def headroom_table(records: pd.DataFrame, limit: float = FP16_MAX, top: int = 5) -> pd.DataFrame:
+    """Modules with the least headroom: ``log2(limit / absmax)`` bits (fp16 limit 65504), smallest first.
+
+    Columns: ``module, module_type, absmax, headroom_bits``; over forward rows (activations; gradients carry the
+    loss scale). A module that held ±inf has ``absmax = inf`` and ``headroom_bits = -inf`` (it overflowed).
+    """
+    rows = records[records["phase"].astype(str) == "forward"]
+    if len(rows) == 0:
+        return pd.DataFrame(columns=["module", "module_type", "absmax", "headroom_bits"])
+    absmax = rows["absmax"].to_numpy(dtype=np.float64)
+    overflowed = (rows["n_posinf"].to_numpy() + rows["n_neginf"].to_numpy()) > 0
+    absmax = np.where(overflowed, np.inf, np.where(np.isfinite(absmax), absmax, np.nan))
+    g = (
+        pd.DataFrame(
+            {
+                "module": rows["module"].astype(str).to_numpy(),
+                "module_type": rows["module_type"].astype(str).to_numpy(),
+                "absmax": absmax,
+            }
+        )
+        .groupby(["module", "module_type"], sort=False)["absmax"]
+        .max()
+        .reset_index()
+        .dropna()
+    )
+    g = g[g["absmax"] > 0]
+    with np.errstate(divide="ignore"):
+        g["headroom_bits"] = np.log2(limit / g["absmax"].to_numpy())
+    return g.sort_values("headroom_bits").head(top).reset_index(drop=True)
+
+
+def lowest_rank_steps(steps: pd.DataFrame) -> tuple[pd.DataFrame, int | None]:
+    """``steps`` of the lowest rank and that rank when the table holds several ranks (a merged trace: loss and
+    loss scale are per rank), else ``(steps, None)``."""
+    if "rank" not in steps.columns or not len(steps) or steps["rank"].nunique() < 2:
+        return steps, None
+    low = int(steps["rank"].min())
+    return steps[steps["rank"].to_numpy() == low].reset_index(drop=True), low

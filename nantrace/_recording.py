@@ -1,0 +1,401 @@
+"""The recording session of one trace: validates the model, scaler and optimizer, attaches every hook on
+enter, removes every one on exit, closes steps, and offers a small internal API to the front-ends.
+
+:class:`Recording` is what :class:`nantrace.Trace` holds while it records. ``nantrace run`` and the framework
+callbacks compose one (they never reach into the facade): :meth:`Recording.pause` / :meth:`Recording.resume`,
+:meth:`Recording.bind` for a scaler or optimizer met late, :meth:`Recording.steps_since`,
+:meth:`Recording.record_loss`, :attr:`Recording.loss_filter`, :meth:`Recording.run_pre_hook` and
+:meth:`Recording.add_step_observer` (called after every closed step, e.g. by the live cross-rank check).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from . import _scaler
+from ._capture import Capture, make_capture
+from ._errors import NantraceError
+from ._files import check_target
+from ._format import MAGIC, footer, make_header
+from ._hooks import Recorder
+from ._masks import FEATURES, mask_named, mask_rows
+from ._naming import is_sharded, module_names
+from ._options import TraceOptions, compile_filter
+from ._procgroup import part_target, process_group, shared_run_id
+from ._schema import PHASE_CODE, PHASES
+from ._store import Store
+from ._tree import flatten
+
+__all__ = ["Recording", "StepObserver", "tracing"]
+
+# Every module currently hooked by some active recording (weak: nantrace never keeps a model alive).
+_ACTIVE: weakref.WeakKeyDictionary[nn.Module, Recording] = weakref.WeakKeyDictionary()
+
+StepObserver = Callable[["Recording", int, int, bool], None]  # (recording, chunks before, closed step, final)
+
+
+def tracing(module: nn.Module) -> Recording | None:
+    """The active recording that hooks ``module``, or None."""
+    return _ACTIVE.get(module)
+
+
+def _chunk_mask(chunk: dict[str, Any], store: Store) -> Any:
+    """The mask rule (:mod:`nantrace._masks`) on one flushed chunk of the store."""
+    import numpy as np
+
+    tnames = np.array([mask_named(v) for v in store.tensors.values] + [False], dtype=bool)
+    anames = np.array([mask_named(v) for v in store.args.values] + [False], dtype=bool)
+    named = tnames[chunk["tensor"]] | anames[chunk["arg"]]  # code -1 picks the trailing False
+    feats = np.array([v == FEATURES for v in store.tensors.values] + [False], dtype=bool)
+    phase = chunk["phase"]
+    return mask_rows(
+        chunk["n_nan"],
+        chunk["n_posinf"],
+        chunk["n_neginf"],
+        chunk["n_zero"],
+        chunk["numel"],
+        (phase == PHASE_CODE["data"]) | (phase == PHASE_CODE["forward"]),
+        named,
+        (phase == PHASE_CODE["data"]) & feats[chunk["tensor"]],
+    )
+
+
+def _check_objects(model: Any, scaler: Any, optimizer: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}: {model!r:.80}")
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(
+            f"scaler must be a torch.amp.GradScaler (or None); got {type(scaler).__name__}. "
+            "Pass the GradScaler your loop calls scale()/step()/update() on."
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer (or None); got {type(optimizer).__name__}. "
+            "Pass the optimizer your loop calls step() on."
+        )
+
+
+class Recording:
+    """Hooks on one model (and its scaler and optimizer) feeding one :class:`~nantrace._store.Store`.
+
+    Raises (on construction):
+        TypeError / ValueError: as :func:`nantrace.trace` documents (wrong model/scaler/optimizer types, a
+            ``modules=`` that matches nothing, an unusable ``path``, a ``capture=`` of an untraced module).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        scaler: torch.amp.GradScaler | None,
+        optimizer: torch.optim.Optimizer | None,
+        options: TraceOptions,
+    ) -> None:
+        _check_objects(model, scaler, optimizer)
+        self.rank, self.world_size = process_group()
+        self.stream_path = self._stream_target(options.path)
+        keep = compile_filter(options.modules)
+        named = module_names(model)
+        self.selected = [(n, m) for n, m in named if keep(n, m)]
+        if options.modules is not None and not self.selected:
+            raise ValueError(
+                f"modules={options.modules!r} matched no module of {type(model).__name__}; "
+                f"names look like {[n for n, _ in named[:6]]}"
+            )
+        self.handles: list[RemovableHandle] = []
+        self.capture: Capture | None
+        self.capture, capture_option = make_capture(
+            options.capture, [named[0][0], *(n for n, _ in self.selected)], lambda: self.handles
+        )
+        self.model_ref = weakref.ref(model)
+        self.root_name, self.root = named[0]
+        # the unwrapped model's class, as module names drop wrappers; the wrapper is named after it
+        self.model_class = type(self.root).__qualname__
+        if self.root is not model:
+            self.model_class += f" (in {type(model).__qualname__})"
+        self.scaler = scaler
+        self.optimizer = optimizer
+        self.store = Store(self.rank)
+        self.rec = Recorder(
+            self.store,
+            sync_free=bool(options.sync_free),
+            record_phases=options.phase_set,
+            drill=options.drill,
+            every=options.every,
+        )
+        self.rec.capture = self.capture
+        if self.stream_path is not None:
+            self.store.stream_to(self.stream_path, options.flush_every)
+        self.patched: list[tuple[object, str, bool, Any]] = []
+        self.observers: list[StepObserver] = []
+        self.entered = False
+        self.closed = False
+        self.exiting = False
+        self.manual_steps = False
+        self.reduced_done = False
+        # set by ``nantrace run`` when one GradScaler serves several traced models: which losses are this model's
+        self.loss_filter: Callable[[Any], bool] | None = None
+        # a collective when world_size > 1: every rank creates its recording (see nantrace._procgroup)
+        self.run_id: str | None = shared_run_id() if self.world_size > 1 else None
+        self.options: dict[str, Any] = {
+            "modules": None if options.modules is None else repr(options.modules),
+            "phases": sorted(options.phase_set, key=PHASES.index),
+            "sync_free": options.sync_free,
+            "drill": options.drill,
+            "every": options.every,
+            "live_every": options.live_every,
+            "capture": capture_option,
+            "path": None if self.stream_path is None else str(self.stream_path),
+            "scaler": type(scaler).__name__ if scaler is not None else None,
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        }
+        self.params: list[tuple[nn.Parameter, int, int, str]] = []
+        self.sharded_params: set[int] = set()  # DTensor parameters (FSDP2): their hook sees the reduced grad
+
+    def _stream_target(self, path: Any) -> Path | None:
+        if path is None:
+            return None
+        if self.world_size > 1:
+            return part_target(path, self.rank, self.world_size)
+        return check_target(path)
+
+    # ------------------------------------------------------------------ the small internal API
+    @property
+    def active(self) -> bool:
+        """True while the hooks record (inside ``with`` and not paused)."""
+        return self.rec.active
+
+    def pause(self) -> None:
+        """Stop recording what the hooks see (they stay attached) until :meth:`resume`."""
+        if not self.closed:
+            self.rec.active = False
+
+    def resume(self) -> None:
+        """Record again after :meth:`pause`; no-op once closed."""
+        if not self.closed and self.entered:
+            self.rec.active = True
+
+    def steps_since(self, start: int) -> list[dict[str, Any]]:
+        """The ``steps`` rows (as dicts) closed from index ``start`` on."""
+        return self.store.step_rows.since(start)
+
+    def n_steps(self) -> int:
+        """Number of steps closed so far (streamed or not)."""
+        return len(self.store.step_rows)
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """Call ``observer(recording, chunks_before, closed_step, final)`` after every closed step."""
+        self.observers.append(observer)
+
+    def run_pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Run this recording's forward pre-hook of ``module`` by hand (hooks registered inside a module call do
+        not run for that call: ``nantrace run`` attaches during the root's first call)."""
+        pre = next(
+            (module._forward_pre_hooks[h.id] for h in self.handles if h.id in module._forward_pre_hooks), None
+        )
+        if pre is not None:
+            pre(module, args, kwargs)
+
+    def bind(
+        self, *, scaler: torch.amp.GradScaler | None = None, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        """Attach a scaler and/or optimizer found after enter (``nantrace run`` meets them as the script runs).
+
+        Each is bound only if the recording has none yet; step boundaries follow it from then on, as if it had
+        been passed to ``trace()``. Its patches/hooks are removed on exit like the others.
+
+        Raises:
+            NantraceError: the recording is not active (not entered, or closed).
+        """
+        if not self.entered or self.closed:
+            raise NantraceError("Recording.bind() needs an active trace (inside `with`)")
+        if scaler is not None and self.scaler is None:
+            self.scaler = scaler
+            self.options["scaler"] = type(scaler).__name__
+            _scaler.attach_scaler(self, scaler)
+        if optimizer is not None and self.optimizer is None:
+            self.optimizer = optimizer
+            self.options["optimizer"] = type(optimizer).__name__
+            _scaler.attach_optimizer(self, optimizer)
+
+    def record_loss(self, loss: Any) -> None:
+        """Record ``loss`` (a tensor or a container of them) as this step's loss (phase ``loss``)."""
+        rec = self.rec
+        for path, t in flatten(loss, "loss"):
+            if not t.is_floating_point() or t.numel() == 0:
+                continue
+            if "loss" in rec.phases:
+                rec.add("loss", 0, self.store.types.code("loss"), 0, path, t, is_grad=False, parent=-1)
+            rec.pending.losses.append(t.detach().float().mean())
+
+    def step(self, loss: torch.Tensor | None) -> None:
+        """``Trace.step``: record ``loss``; without scaler and optimizer, close the step.
+
+        Raises:
+            TypeError: ``loss`` is not a tensor or None.
+            NantraceError: not recording (outside ``with``).
+        """
+        if loss is not None and not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss must be a torch.Tensor or None; got {type(loss).__name__}")
+        if not self.rec.active:
+            raise NantraceError("Trace.step() was called outside its `with nantrace.trace(...)` block")
+        if loss is not None:
+            self.record_loss(loss)
+        if self.scaler is None and self.optimizer is None:
+            self.end_step()
+            if not self.manual_steps:
+                # the root forwards so far were provisionally steps of their own: they form step 0
+                self.manual_steps = True
+                count = self.rec.step
+                self.store.merge_leading_steps(count)
+                self.rec.step = min(count, 1)
+
+    # ------------------------------------------------------------------ enter / exit
+    def enter(self) -> None:
+        """Attach every hook and start recording.
+
+        Raises:
+            NantraceError: used twice, or the model is already hooked by another active trace.
+        """
+        if self.entered:
+            raise NantraceError(
+                "this Trace has already been used; create a new one with nantrace.trace(model)"
+            )
+        for _, m in [*self.selected, (self.root_name, self.root)]:
+            if _ACTIVE.get(m) is not None:
+                raise NantraceError(
+                    f"{type(m).__name__} is already being traced by another active nantrace.trace(); "
+                    "nested traces of the same model are not supported: exit the first one"
+                )
+        self.entered = True
+        try:
+            self._attach()
+        except BaseException:
+            self._detach()
+            raise
+        self.rec.active = True
+
+    def exit(self, failed: bool) -> None:
+        """Close the open step, remove every hook and patch, and complete a streamed file (also after an
+        exception: ``failed``)."""
+        self.rec.active = False
+        self.exiting = True  # no collective (live check) from here: another rank may have raised
+        try:
+            if self.rec.step_open():
+                self.end_step()
+        finally:
+            self._detach()
+            self.closed = True
+            if not failed and not self.store.chunks and not len(self.store.step_rows):
+                warnings.warn(
+                    f"nantrace.trace recorded nothing: no forward call of the traced {self.model_class} and no "
+                    "scaler/optimizer step happened inside `with`. Is the traced model the one the loop calls?",
+                    stacklevel=3,
+                )
+            if self.stream_path is not None:
+                records = self.store.records()
+                head = make_header(
+                    model_class=self.model_class,
+                    options=self.options,
+                    records=records,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    run_id=self.run_id,
+                )
+                self.store.close_stream({MAGIC: footer(head, self.store.steps(), self.store.ops_frame())})
+
+    def _attach(self) -> None:
+        rec, store = self.rec, self.store
+        selected_ids = {id(m) for _, m in self.selected}
+        mods = list(self.selected)
+        if id(self.root) not in selected_ids:
+            mods.insert(0, (self.root_name, self.root))
+        for name, m in mods:
+            mcode = store.modules.code(name)
+            tcode = store.types.code(type(m).__name__)
+            if self.capture is not None:
+                self.capture.watch(mcode, name, type(m).__name__)
+            pre, post = rec.module_hooks(
+                mcode,
+                tcode,
+                is_root=m is self.root,
+                step_each_forward=self.step_each_forward,
+                on_step=self.end_step,
+                training=self.training,
+            )
+            self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+            _ACTIVE[m] = self
+        seen: set[int] = set()
+        for name, m in self.selected:  # parameters: gradient after accumulation, value after optimizer.step()
+            for pname, p in m.named_parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                mcode, tcode = store.modules.code(name), store.types.code(type(m).__name__)
+                self.params.append((p, mcode, tcode, pname))
+                index = len(self.params) - 1
+                if is_sharded(p):
+                    self.sharded_params.add(index)
+                if p.requires_grad and "backward" in rec.phases:
+                    hook = _scaler.param_hook(self, mcode, tcode, pname, index)
+                    self.handles.append(p.register_post_accumulate_grad_hook(hook))
+        if self.optimizer is not None:
+            _scaler.attach_optimizer(self, self.optimizer)
+        if self.scaler is not None:
+            _scaler.attach_scaler(self, self.scaler)
+
+    def _detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        for h in self.rec.tensor_handles:
+            h.remove()
+        self.rec.tensor_handles.clear()
+        for obj, attr, had, old in reversed(self.patched):
+            if had:
+                setattr(obj, attr, old)
+            else:
+                with contextlib.suppress(AttributeError):
+                    delattr(obj, attr)
+        self.patched.clear()
+        for m in [self.root] + [m for _, m in self.selected]:
+            if _ACTIVE.get(m) is self:
+                del _ACTIVE[m]
+
+    def patch(self, obj: object, attr: str, new: Any) -> None:
+        """Set ``obj.attr = new`` until exit, when the instance attribute is restored (or removed)."""
+        had = attr in vars(obj)
+        self.patched.append((obj, attr, had, vars(obj).get(attr)))
+        setattr(obj, attr, new)
+
+    # ------------------------------------------------------------------ step structure
+    def step_each_forward(self) -> bool:
+        return self.scaler is None and self.optimizer is None and not self.manual_steps
+
+    def training(self) -> bool:
+        """A training trace (it has a GradScaler or an optimizer): its no-grad root forwards are evaluation."""
+        return self.scaler is not None or self.optimizer is not None
+
+    def end_step(self) -> None:
+        """Close the open step: one host copy, a ``steps`` row; then the observers."""
+        pending = self.rec.pending
+        if pending.lr is None and self.optimizer is not None and self.optimizer.param_groups:
+            pending.lr = _scaler.current_lr(self.optimizer)  # a step the scaler skipped: lr still applies
+        n_chunks, closing = len(self.store.chunks), self.rec.step
+        self.rec.end_step(_chunk_mask)
+        if self.capture is not None and len(self.store.step_rows) > 0:  # a named capture's fallback call
+            self.capture.end_step(self.store.step_rows.cols["n_nonfinite"][-1] > 0)
+        self.reduced_done = False
+        for observer in self.observers:
+            observer(self, n_chunks, closing, self.exiting)
+        self.store.maybe_spill()

@@ -1,0 +1,332 @@
+"""The causes about the loss scale and the run as a whole: collapse, benign backoff, gradient underflow, an
+overflow outside the traced model, healthy, and the distributed ones (received, made by the reduction)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pandas as pd
+
+from ._causes import bf16_advice, compute_dtype, producer_text, skips_text
+from ._diagnosis import (
+    UNDERFLOW_FRACTION,
+    UNDERFLOW_SMALL_ABSMAX,
+    UNDERFLOW_ZERO_FRACTION,
+    Diagnosis,
+)
+from ._facts import Facts, update_ratios
+from ._fmt import module_label, num, steps_text
+from ._overflow import Overflow
+from ._ranges import finite_absmax, headroom_table
+from ._schema import FP16_MAX, FP16_SMALLEST_NORMAL, dtype_max
+
+__all__ = ["backoff", "collapse", "healthy", "outside", "received", "reduction_made", "underflow"]
+
+
+def collapse(run: Facts, ev: Overflow | None, skip_run: list[int]) -> Diagnosis:
+    """``ev``: the run's last scale-dependent event, the one that still overflowed at the lowest scale."""
+    first, last = run.scale_range(skip_run)
+    below = not math.isnan(last) and last < 1
+    evidence = [
+        f"{len(skip_run)} consecutive steps skipped by the GradScaler (steps {steps_text(skip_run)}); loss scale "
+        f"{num(first)} → {num(last)}" + (" (below 1: the gradients overflow even unscaled)" if below else "")
+    ]
+    if len(run.skipped_steps()) != len(skip_run):
+        evidence.append(str(skips_text(run)))
+    advice: list[str] = []
+    if ev is not None:
+        in_run = [e for e in run.events if skip_run[0] <= e.step <= skip_run[-1] and run.scale_dependent(e)]
+        groups: dict[str, list[int]] = {}
+        for e in in_run:
+            groups.setdefault(producer_text(e), []).append(e.step)
+        evidence.append(
+            "overflowing at each skipped step: "
+            + "; ".join(
+                f"{k} (step{'s' if len(set(v)) > 1 else ''} {steps_text(v)})" for k, v in groups.items()
+            )
+        )
+        at = run.scale.get(ev.step, math.nan)
+        gout = run.rows_of(ev.step, ("backward", "loss"), module=ev.module, prefix="grad_output")
+        evidence.append(
+            f"at the lowest scale tried ({num(at)}, step {ev.step}) {producer_text(ev)} still overflowed "
+            f"({ev.kind}, computed in {compute_dtype(run, ev)})"
+            + (
+                f"; its incoming gradient absmax was {num(finite_absmax(gout))}"
+                if ev.phase == "backward"
+                else ""
+            )
+        )
+        limit = num(dtype_max(compute_dtype(run, ev)))
+        if ev.phase == "loss":
+            advice.append(
+                f"The gradient of the loss w.r.t. the outputs exceeds {limit} even at a small scale: the loss is "
+                "too large (e.g. a sum over many elements); use a mean, divide it, or compute it in float32."
+            )
+        else:
+            w = (
+                run.rows_of(ev.step - 1, "optimizer", module=ev.module)
+                if ev.step > 0
+                else run.records.iloc[0:0]
+            )
+            wtext = f" (absmax {num(finite_absmax(w))})" if len(w) else ""
+            advice.append(
+                f"The gradient of {module_label(ev.module)} exceeds {limit} even at loss scale {num(at)}: keep "
+                f"{module_label(ev.module)} in float32 (autocast disabled around it), and check its weights{wtext} and "
+                "the loss magnitude."
+            )
+    advice.append(bf16_advice())
+    advice.append(
+        "Clip gradients after `scaler.unscale_(optimizer)`; if the scale falls below 1, the gradients are too "
+        "large for float16 even unscaled: divide the loss (e.g. use a mean) or compute it in float32."
+    )
+    summary = (
+        f"The loss scale kept falling ({num(first)} → {num(last)}) over {len(skip_run)} skipped steps: the "
+        "gradients overflow at every scale tried."
+    )
+    return Diagnosis("loss_scale_collapse", ev, evidence, advice, summary)
+
+
+def backoff(run: Facts, benign: list[Overflow]) -> Diagnosis:
+    sk = run.skipped_steps()
+    ev = benign[0] if benign else None
+    evidence = []
+    if ev is not None:
+        evidence.append(
+            f"step {ev.step}: the backward of {module_label(ev.module)} ({ev.module_type}) overflowed ({ev.kind} in "
+            f"`{ev.tensor}`) at loss scale {num(run.scale.get(ev.step, math.nan))}"
+        )
+    skips = skips_text(run)
+    if skips:
+        evidence.append(skips)
+    last = sk[-1] if sk else -1
+    n_after = sum(1 for s in run.step_ids if s > last and run.skipped.get(s) is False)
+    if n_after:
+        evidence.append(f"then {n_after} steps trained without a skip")
+    else:
+        evidence.append(
+            "the trace ended while the scaler was still backing off; trace more steps to confirm it settles"
+        )
+    settled = [run.scale[s] for s in run.step_ids if s > last and not math.isnan(run.scale.get(s, math.nan))]
+    advice = [
+        "Nothing to fix: GradScaler skips a step and halves the scale when the scaled gradients overflow."
+    ]
+    if settled:
+        advice.append(
+            f"To avoid the skipped steps, start at the scale it settled on: "
+            f"`torch.amp.GradScaler(init_scale={settled[0]:g})`."
+        )
+    summary = f"Benign loss-scale backoff: the GradScaler skipped {len(sk)} step(s)" + (
+        ", then training proceeded." if n_after else "; the trace ends there."
+    )
+    return Diagnosis("scaler_backoff", ev, evidence, advice, summary)
+
+
+def underflow(run: Facts) -> Diagnosis | None:
+    r = run.records
+    if len(r) == 0:
+        return None
+    dt = r["dtype"].astype(str).to_numpy()
+    if not bool(((dt == "float16") & np.isin(run.phase, ["forward", "backward", "loss"])).any()):
+        return None
+    mtype = r["module_type"].astype(str).to_numpy()
+    grads = (run.phase == "backward") & np.char.endswith(run.tensor, ".grad")
+    grads &= np.char.find(np.char.lower(mtype.astype(str)), "embedding") < 0
+    grads &= ~run.nonfinite
+    if not grads.any():
+        return None
+    g = r[grads]
+    numel = g["numel"].to_numpy(dtype=np.float64)
+    zeros = g["n_zero"].to_numpy(dtype=np.float64)
+    absmax = g["absmax"].to_numpy(dtype=np.float64)
+    zero_frac = zeros / np.maximum(numel, 1)
+    amax = np.nan_to_num(absmax, nan=0.0)
+    # Zeros alone prove nothing (a ReLU's dead units give exact zeros at any scale); zeros are flushed values
+    # only when the tensor's largest value is itself close to float16's subnormal range.
+    flushed = (amax < FP16_SMALLEST_NORMAL) | (
+        (zero_frac >= UNDERFLOW_ZERO_FRACTION) & (amax < UNDERFLOW_SMALL_ABSMAX)
+    )
+    frac = float(flushed.mean())
+    if frac < UNDERFLOW_FRACTION:
+        return None
+    names = (g["module"].astype(str) + "." + g["tensor"].astype(str).str.removesuffix(".grad")).to_numpy()
+    worst = (
+        pd.DataFrame({"name": names, "zero": zero_frac, "absmax": absmax})
+        .groupby("name")
+        .agg({"zero": "mean", "absmax": "max"})
+    )
+    worst = worst.sort_values(["zero", "absmax"], ascending=[False, True])
+    scales = [v for v in run.scale.values() if not math.isnan(v)]
+    scale_text = (
+        "no GradScaler (loss scale 1)" if not scales else f"loss scale {num(min(scales))}–{num(max(scales))}"
+    )
+    evidence = [
+        f"{frac:.0%} of the parameter-gradient tensors ({int(flushed.sum())} of {len(flushed)} over "
+        f"{len(set(g['step'].tolist()))} steps) were flushed: largest |g| below float16's smallest normal "
+        f"{num(FP16_SMALLEST_NORMAL)} (every value subnormal or 0), or below {num(UNDERFLOW_SMALL_ABSMAX)} with "
+        f"≥{UNDERFLOW_ZERO_FRACTION:.0%} zeros",
+        f"overall {zeros.sum() / max(numel.sum(), 1):.0%} of parameter-gradient elements were exactly 0",
+        scale_text,
+    ]
+    for name, row in list(worst.iterrows())[:3]:
+        evidence.append(f"`{name}.grad`: {row['zero']:.0%} zeros, absmax {num(float(row['absmax']))}")
+    fp16_grads = r[(run.phase == "backward") & (dt == "float16")]
+    if len(fp16_grads):
+        evidence.append(f"largest float16 gradient anywhere: {num(finite_absmax(fp16_grads))}")
+    advice = []
+    if not scales:
+        advice.append(
+            "Use a GradScaler: `scaler = torch.amp.GradScaler()`, `scaler.scale(loss).backward()`, "
+            "`scaler.step(optimizer)`, `scaler.update()` — it multiplies the loss (default 65536) so small "
+            "gradients stay above float16's subnormal limit 6e-08."
+        )
+    else:
+        advice.append(
+            f"The loss scale ({num(min(scales))}) is too small for these gradients: raise `init_scale` and find why "
+            "the scaler lowered it (an earlier overflow)."
+        )
+    advice.append(bf16_advice())
+    advice.append(
+        "Or keep float32 gradients (autocast rather than `model.half()`), and check the loss is not tiny."
+    )
+    summary = (
+        f"No inf/NaN, but float16 gradients flush to zero: {frac:.0%} of parameter-gradient tensors lost most "
+        "of their values."
+    )
+    return Diagnosis("gradient_underflow", None, evidence, advice, summary)
+
+
+def outside(run: Facts) -> Diagnosis:
+    """The GradScaler skipped steps but the whole model's backward, recorded, stayed finite: the overflow the
+    scaler found was in gradients this trace does not hold."""
+    sk = run.skipped_steps()
+    evidence = [
+        f"no value recorded in this model's forward, loss or backward held inf/NaN, at the skipped steps "
+        f"{steps_text(sk)} or any other (the backward of every module and parameter was traced)",
+        "so the non-finite gradients the scaler found were outside the traced model: another model sharing "
+        "the GradScaler (e.g. a GAN's discriminator), or parameters the optimizer steps that are not in it",
+    ]
+    skips = skips_text(run)
+    if skips:
+        evidence.append(skips)
+    advice = [
+        "Nothing to fix in this model. Trace the other model stepped with the same GradScaler (`nantrace run` "
+        "traces each model a script calls), or give each model its own GradScaler, and diagnose that trace.",
+    ]
+    summary = (
+        f"The GradScaler skipped {len(sk)} step(s), but this model's gradients stayed finite: the overflow came "
+        "from outside the traced model (e.g. another model sharing the GradScaler)."
+    )
+    return Diagnosis("scaler_backoff", None, evidence, advice, summary)
+
+
+def healthy(run: Facts) -> Diagnosis:
+    evidence = [f"{len(run.step_ids)} steps, {len(run.records)} records, no inf/NaN produced"]
+    skips = skips_text(run)
+    if skips:
+        evidence.append(skips)
+    hr = headroom_table(run.records, top=1)
+    if len(hr):
+        r = hr.iloc[0]
+        evidence.append(
+            f"least float16 headroom: {module_label(str(r['module']))} ({r['module_type']}), absmax {num(float(r['absmax']))}, "
+            f"{float(r['headroom_bits']):+.1f} bits below 65504"
+        )
+    ur = update_ratios(run.records)["ratio"].to_numpy(dtype=np.float64)
+    ur = ur[np.isfinite(ur)]
+    if ur.size:
+        evidence.append(
+            f"update-to-weight ratio (change of a parameter's absmax per step): median {num(float(np.median(ur)))}, "
+            f"max {num(float(ur.max()))}"
+        )
+    return Diagnosis(
+        "healthy",
+        None,
+        evidence,
+        [],
+        "Healthy: every recorded value was finite and nothing points to a fault.",
+    )
+
+
+def received(run: Facts, ev: Overflow, producer: Overflow | None, world_size: int | None) -> Diagnosis:
+    """``ev`` is only in this rank's reduced gradients: another rank (``producer`` when known) produced it."""
+    of = f" of {world_size}" if world_size else ""
+    local = run.records
+    if "reduced" in local.columns:
+        local = local[~local["reduced"].to_numpy(dtype=bool)]
+    lrows = local[(local["step"].to_numpy() == ev.step)]
+    evidence = [
+        f"rank {ev.rank}{of}: every local value at step {ev.step} was finite (largest local absmax "
+        f"{num(finite_absmax(lrows))}), but `{ev.tensor}` of {module_label(ev.module)} held {ev.kind} after the gradient "
+        "reduction (DDP all-reduce / FSDP reduce-scatter): received from another rank, not produced here"
+    ]
+    if run.skipped.get(ev.step) is True:
+        evidence.append(
+            f"the GradScaler skipped step {ev.step} (loss scale {num(run.scale.get(ev.step, math.nan))}) on the "
+            "reduced gradients; whether that was a benign backoff depends on what the producing rank did"
+        )
+    if producer is not None:
+        where = "the model inputs" if producer.phase == "data" else module_label(producer.module)
+        evidence.append(
+            f"the merged trace names rank {producer.rank} as the producer: {producer.phase}, {where}, "
+            f"{producer.kind} in `{producer.tensor}`"
+        )
+        advice = [f"Diagnose the producing rank: `tr.rank_view({producer.rank}).diagnose()`."]
+        summary = (
+            f"Rank {ev.rank} received {ev.kind} at step {ev.step} through the gradient reduction; rank "
+            f"{producer.rank} produced it."
+        )
+    else:
+        advice = [
+            "Load the folder all ranks saved to (`nantrace.load(folder)`, or `nantrace report FOLDER`; for a "
+            "`rank_view`, the merged trace itself): the merged trace names the rank that produced it and "
+            "diagnoses that rank."
+        ]
+        summary = (
+            f"Rank {ev.rank} received {ev.kind} at step {ev.step} through the gradient reduction from another "
+            "rank; this rank's trace alone cannot say what produced it."
+        )
+    return Diagnosis("received", ev, evidence, advice, summary)
+
+
+def reduction_made(run: Facts, ev: Overflow, world_size: int | None) -> Diagnosis:
+    """Every rank's local gradients were finite; the reduced ``ev.tensor`` was not: the reduction made it."""
+    ev = replace(ev, propagated=False)
+    r = run.records
+    local = r[
+        (r["step"].to_numpy() == ev.step) & (run.phase == "backward") & np.char.endswith(run.tensor, ".grad")
+    ]
+    if "reduced" in local.columns:
+        local = local[~local["reduced"].to_numpy(dtype=bool)]
+    same = local[(local["module"].astype(str) == ev.module) & (local["tensor"].astype(str) == ev.tensor)]
+    scale = run.scale.get(ev.step, math.nan)
+    scaled = f", still multiplied by the loss scale {num(scale)}" if scale > 1 else ""  # NaN: no GradScaler
+    evidence = [
+        f"at step {ev.step} every rank's local gradients were finite; on rank {ev.rank} the local `{ev.tensor}` of "
+        f"{module_label(ev.module)} had absmax {num(finite_absmax(same))} (largest local parameter gradient "
+        f"{num(finite_absmax(local))}{scaled})",
+        f"after the gradient reduction `{ev.tensor}` held {ev.kind} ({ev.dtype}): the reduction itself produced "
+        "it, not a rank's forward or backward",
+        f"float16 overflows above {num(FP16_MAX)}: a communication hook that casts gradients to float16 before the "
+        "all-reduce (DDP's `fp16_compress_hook`) turns a larger gradient into inf",
+    ]
+    if world_size:
+        evidence.append(f"world size {world_size}")
+    advice = [
+        "Use bfloat16 compression (`bf16_compress_hook`: float32's range, max 3.4e38) or no compression hook, "
+        "so the reduction keeps the gradients' range.",
+        f"Or keep float16 compression but scale the gradients down before the cast (divide by the world size "
+        f"before casting, not after), so that no gradient exceeds {num(FP16_MAX)}"
+        + (
+            f"; with a GradScaler they are reduced still scaled ({num(scale)}): a lower `init_scale` also helps."
+            if scale > 1
+            else "."
+        ),
+    ]
+    summary = (
+        f"The gradient reduction overflowed at step {ev.step}: every rank's local gradients were finite, the "
+        f"reduced `{ev.tensor}` of {module_label(ev.module)} was {ev.kind} (e.g. float16 gradient compression)."
+    )
+    cause = "backward_overflow" if ev.kind == "inf" else "invalid_op"
+    return Diagnosis(cause, ev, evidence, advice, summary)

@@ -1,0 +1,150 @@
+"""The hooks a recording owns beside the module hooks: parameter gradients, the reduced gradients of a
+distributed run, the optimizer's step hooks and the thin wraps of ``GradScaler.scale``/``update``/``unscale_``.
+
+Each function takes the :class:`~nantrace._recording.Recording` it records into.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._hooks import eager
+
+if TYPE_CHECKING:
+    from ._recording import Recording
+
+__all__ = ["attach_optimizer", "attach_scaler", "current_lr", "param_hook", "scaler_tensor"]
+
+
+def scaler_tensor(scaler: torch.amp.GradScaler, attr: str) -> torch.Tensor | float | None:
+    """A copy of the scaler's ``_scale`` or ``_growth_tracker`` (a device tensor: read at the step boundary)."""
+    v = getattr(scaler, attr, None)
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone().float()
+    if attr == "_scale":
+        return float(scaler.get_scale())
+    return None
+
+
+def current_lr(optimizer: torch.optim.Optimizer) -> Any:
+    """The learning rate of the first param group (a tensor lr is copied, not read)."""
+    lr = optimizer.param_groups[0].get("lr")
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+
+
+def _grad_norm(g: torch.Tensor) -> torch.Tensor:
+    g = g.detach()
+    wide = g if g.dtype in (torch.float32, torch.float64) else g.float()
+    return torch.linalg.vector_norm(wide)
+
+
+def param_hook(
+    r: Recording, mcode: int, tcode: int, pname: str, index: int
+) -> Callable[[torch.Tensor], None]:
+    """The post-accumulate-grad hook of parameter ``index``: its gradient's row and L2 norm."""
+    rec = r.rec
+    path = pname + ".grad"
+    sharded = index in r.sharded_params
+
+    def hook(p: torch.Tensor) -> None:
+        g = p.grad
+        if not rec.active or g is None or not g.is_floating_point() or g.is_sparse:
+            return
+        if sharded:  # FSDP2: the reduce-scattered gradient; this rank's shard
+            g = g.to_local()  # type: ignore[attr-defined]
+        rec.add("backward", mcode, tcode, 0, path, g, is_grad=True, parent=-1, reduced=sharded)
+        rec.pending.grad_norms[index] = _grad_norm(g)
+
+    return eager(hook)
+
+
+def record_reduced(r: Recording) -> None:
+    """Once per step, after backward: each parameter's gradient after DDP's all-reduce (``reduced=True``
+    rows; ``steps.grad_norm`` then is the norm of these, what the optimizer applies)."""
+    rec = r.rec
+    if not rec.active or r.reduced_done:
+        return
+    r.reduced_done = True
+    rec.cache.clear()  # the same .grad tensor now holds other values: no cached statistics
+    for i, (p, mcode, tcode, pname) in enumerate(r.params):
+        g = p.grad
+        if i in r.sharded_params or g is None or not g.is_floating_point() or g.is_sparse:
+            continue
+        rec.add("backward", mcode, tcode, 0, pname + ".grad", g, is_grad=True, parent=-1, reduced=True)
+        rec.pending.grad_norms[i] = _grad_norm(g)
+
+
+def _records_reduced(r: Recording) -> bool:
+    return r.world_size > 1 and "backward" in r.rec.phases
+
+
+def attach_optimizer(r: Recording, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's step post-hook (parameters after ``step()``, lr, the step boundary without a scaler)
+    and, in a distributed run, its step pre-hook (the reduced gradients)."""
+
+    def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        rec = r.rec
+        if not rec.active:
+            return
+        if "optimizer" in rec.phases:
+            for p, mcode, tcode, pname in r.params:
+                rec.add("optimizer", mcode, tcode, 0, pname, p, is_grad=False, parent=-1)
+        if opt.param_groups:
+            rec.pending.lr = current_lr(opt)
+        if r.scaler is None and not r.manual_steps:
+            r.end_step()
+
+    r.handles.append(optimizer.register_step_post_hook(post))
+    if _records_reduced(r):
+        r.handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: record_reduced(r)))
+
+
+def attach_scaler(r: Recording, scaler: torch.amp.GradScaler) -> None:
+    """Wrap ``scaler.scale`` (the loss), ``scaler.update`` (scale, found-inf, growth tracker and the step
+    boundary) and, in a distributed run, ``scaler.unscale_`` (the reduced gradients, still scaled)."""
+    if _records_reduced(r):
+        orig_unscale = scaler.unscale_
+
+        def unscale_(optimizer: torch.optim.Optimizer) -> None:
+            record_reduced(r)  # before unscaling: the rows carry the loss scale like the local ones
+            orig_unscale(optimizer)
+
+        r.patch(scaler, "unscale_", unscale_)
+    orig_scale = scaler.scale
+
+    def scale(outputs: Any) -> Any:
+        result = orig_scale(outputs)
+        if r.rec.active and (r.loss_filter is None or r.loss_filter(outputs)):
+            r.record_loss(outputs)
+        return result
+
+    r.patch(scaler, "scale", scale)
+    r.patch(scaler, "update", _wrap_update(r, scaler, scaler.update))
+
+
+def _found_inf(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    found = [
+        v
+        for st in getattr(scaler, "_per_optimizer_states", {}).values()
+        for v in st.get("found_inf_per_device", {}).values()
+    ]
+    return torch.stack([f.to(found[0].device).float().sum() for f in found]).sum() if found else None
+
+
+def _wrap_update(r: Recording, scaler: torch.amp.GradScaler, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def update(new_scale: Any = None) -> None:
+        rec = r.rec
+        if rec.active and scaler.is_enabled():
+            rec.pending.scale = scaler_tensor(scaler, "_scale")
+            rec.pending.found_inf = _found_inf(scaler)
+        orig(new_scale)
+        if rec.active:
+            if scaler.is_enabled():
+                rec.pending.next_scale = scaler_tensor(scaler, "_scale")
+                rec.pending.growth_tracker = scaler_tensor(scaler, "_growth_tracker")
+            r.end_step()
+
+    return update

@@ -1,0 +1,55 @@
+"""Nested containers of tensors: flattening them into named paths, and copying them (a leaf module)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["MAX_DEPTH", "clone_tree", "flatten"]
+
+MAX_DEPTH = 6
+
+
+def flatten(obj: Any, prefix: str, depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(path, tensor)`` for every tensor nested in ``obj``.
+
+    Tuples/lists give ``prefix[i]``, mappings (``dict``, ``OrderedDict`` subclasses such as model-output
+    objects) and namedtuples/dataclasses give ``prefix.name``. Anything else is skipped. Recursion stops at
+    depth 6.
+    """
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+        return
+    if depth >= MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        for name in obj._fields:
+            yield from flatten(getattr(obj, name), f"{prefix}.{name}", depth + 1)
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from flatten(v, f"{prefix}[{i}]", depth + 1)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            key = f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]"
+            yield from flatten(v, prefix + key, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from flatten(getattr(obj, f.name, None), f"{prefix}.{f.name}", depth + 1)
+
+
+def clone_tree(obj: Any, depth: int = 0) -> Any:
+    """A copy of ``obj`` with every tensor in tuples/lists/dicts cloned (for a side-effect-free replay)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if depth >= MAX_DEPTH:
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(clone_tree(v, depth + 1) for v in obj)
+    if isinstance(obj, list):
+        return [clone_tree(v, depth + 1) for v in obj]
+    if type(obj) is dict:
+        return {k: clone_tree(v, depth + 1) for k, v in obj.items()}
+    return obj
