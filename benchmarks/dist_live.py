@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nantrace
-from nantrace._dist import Live
+from nantrace._live import Live
 
 CHECK_TIME: list[float] = []
 

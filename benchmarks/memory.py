@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 import nantrace
+from nantrace._format import MAGIC, read_records
 from nantrace._hooks import Recorder
-from nantrace._io import MAGIC, read_records
 from nantrace._store import Store
 
 

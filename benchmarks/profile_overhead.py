@@ -49,8 +49,8 @@ import stats_alternatives
 
 import nantrace
 import nantrace._hooks as _hooks
+import nantrace._scaler as _scaler
 import nantrace._store as _store
-import nantrace._trace as _trace
 
 SECTIONS = ("records", "breakdown", "replay", "ops", "cprofile")
 
@@ -128,7 +128,7 @@ class Timers:
 def instrumented(timers: Timers) -> Iterator[None]:
     """Wrap nantrace's hooks, ``Recorder.add``, ``stats_host`` and ``Store.flush`` in timers (attach-time
     factories are wrapped, so enter the trace inside this context). Missing names are skipped."""
-    R, T = _hooks.Recorder, _trace.Trace
+    R = _hooks.Recorder
     stack = contextlib.ExitStack()
 
     def factory(cls: Any, meth: str, names: tuple[str, ...]) -> None:
@@ -149,13 +149,15 @@ def instrumented(timers: Timers) -> Iterator[None]:
         if orig is not None:
             stack.enter_context(_patched(cls, meth, timers.wrap(name, orig)))
 
+    def function_factory(name: str, label: str) -> None:
+        orig = getattr(_scaler, name, None)
+        if orig is not None:
+            stack.enter_context(_patched(_scaler, name, lambda *a, **k: timers.wrap(label, orig(*a, **k))))
+
     with stack:
         factory(R, "module_hooks", ("forward pre-hooks", "forward hooks"))
         factory(R, "grad_hook", ("tensor grad hooks",))
-        factory(T, "_param_hook", ("param grad hooks",))
-        factory(T, "_wrap_update", ("scaler.update wrapper",))
-        factory(T, "_wrap_scale", ("scaler.scale wrapper",))
-        method(T, "_optimizer_hook", "optimizer hook")
+        function_factory("param_hook", "param grad hooks")
         method(R, "add", "Recorder.add")
         method(_store.Store, "flush", "Store.flush")
         stack.enter_context(_patched(_hooks, "stats_host", timers.wrap("stats_host", _hooks.stats_host)))
@@ -167,9 +169,6 @@ _TOP = (
     "forward hooks",
     "tensor grad hooks",
     "param grad hooks",
-    "optimizer hook",
-    "scaler.update wrapper",
-    "scaler.scale wrapper",
 )
 
 

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import nantrace
+from nantrace._ranges import weights_beyond
 
 diagnose = nantrace.Trace.diagnose
-from nantrace._ranges import weights_beyond
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
 

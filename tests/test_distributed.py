@@ -157,7 +157,10 @@ def worker(rank: int, port: int, out: str) -> None:
         healthy = run(rank, "healthy", folder, stream=folder / "healthy_stream")
         if rank == 0:
             healthy.save(folder / "stale")  # ... then a healthy run into the same path, rank 1 not saving
-        info["run_id"] = {"nan_data": info_run_id(folder / "nan_data", rank), "healthy": healthy._view().meta.run_id}
+        info["run_id"] = {
+            "nan_data": info_run_id(folder / "nan_data", rank),
+            "healthy": healthy._view().meta.run_id,
+        }
         live = run(rank, "nan_data", folder / "live", live_every=2)
         info["live"] = live.live_reports
         info["live_checks"] = live._live.checks if live._live is not None else None
@@ -409,7 +412,9 @@ def test_merged_diagnosis_of_a_received_value_names_the_producer_or_passes_a_bac
     backoff = replace(
         ov, phase="backward", module="fc1", module_type="Linear", tensor="weight.grad", kind="inf"
     )
-    assert _diagnose(tr.rank_view(0)._view(), [backoff]).cause == "scaler_backoff"  # step 2 skipped, step 3 trained
+    assert (
+        _diagnose(tr.rank_view(0)._view(), [backoff]).cause == "scaler_backoff"
+    )  # step 2 skipped, step 3 trained
 
 
 # ------------------------------------------------------------------------------------------------ (2) forward

@@ -149,7 +149,9 @@ def test_nothing_is_kept_when_every_call_is_clean() -> None:
     ref = m(x)
     with nantrace.trace(m, capture="first") as tr:
         out = m(x)
-        assert tr._recording.capture is not None and tr._recording.capture.open == []  # copies dropped as each call returned
+        assert (
+            tr._recording.capture is not None and tr._recording.capture.open == []
+        )  # copies dropped as each call returned
     assert torch.equal(out, ref)
     assert tr._recording.capture.kept is None
     assert tr.first_overflow() is None
