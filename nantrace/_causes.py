@@ -202,6 +202,42 @@ def mask_leak(run: Facts, ev: Overflow, masks: list[str]) -> Diagnosis:
     return Diagnosis("data", ev, evidence, advice, summary)
 
 
+def _weights_evidence(
+    run: Facts, ev: Overflow, beyond: list[tuple[str, str, float, int]], live: bool
+) -> list[str]:
+    """One sentence per parameter of the event's module beyond the output dtype's range."""
+    dtype = str(ev.dtype)
+    limit = dtype_max(dtype)
+    prefix = f"{ev.module}." if ev.module else ""
+    evidence: list[str] = []
+    made = "inf·0 or inf−inf then gives NaN" if ev.kind == "nan" else "and inf times the inputs gives inf"
+    for pname, pdtype, absmax, since in beyond:
+        if live:
+            last = run.records[
+                (run.phase == "optimizer")
+                & (run.module == ev.module)
+                & (run.tensor == pname)
+                & (run.step < ev.step)
+            ].sort_values("step")
+            shown = (
+                f"; its last optimizer row (step {int(last['step'].iloc[-1])}) showed "
+                f"{num(float(last['absmax'].iloc[-1]))}: it changed outside optimizer.step()"
+                if len(last)
+                else ""
+            )
+            when = (
+                "read from the live model at diagnose time (the GradScaler skipped every step from "
+                f"{ev.step} on, so the optimizer did not change it after that forward){shown}"
+            )
+        else:
+            when = f"it grew past {num(limit)} at step {since} (optimizer rows)"
+        evidence.append(
+            f"its parameter `{prefix}{pname}` ({pdtype}) has absmax {num(absmax)}, beyond {dtype}'s {num(limit)}: "
+            f"autocast's cast of it to {dtype} gives inf, {made}; {when}"
+        )
+    return evidence
+
+
 def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     inputs = call_inputs(run, ev)
     in_absmax = finite_absmax(inputs)
@@ -233,31 +269,7 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
         evidence.append(f"the forward replay names the op: `{op}`")
     beyond, live = weights_beyond_of(run, ev)
     prefix = f"{ev.module}." if ev.module else ""
-    made = "inf·0 or inf−inf then gives NaN" if ev.kind == "nan" else "and inf times the inputs gives inf"
-    for pname, pdtype, absmax, since in beyond:
-        if live:
-            last = run.records[
-                (run.phase == "optimizer")
-                & (run.module == ev.module)
-                & (run.tensor == pname)
-                & (run.step < ev.step)
-            ].sort_values("step")
-            shown = (
-                f"; its last optimizer row (step {int(last['step'].iloc[-1])}) showed "
-                f"{num(float(last['absmax'].iloc[-1]))}: it changed outside optimizer.step()"
-                if len(last)
-                else ""
-            )
-            when = (
-                "read from the live model at diagnose time (the GradScaler skipped every step from "
-                f"{ev.step} on, so the optimizer did not change it after that forward){shown}"
-            )
-        else:
-            when = f"it grew past {num(limit)} at step {since} (optimizer rows)"
-        evidence.append(
-            f"its parameter `{prefix}{pname}` ({pdtype}) has absmax {num(absmax)}, beyond {dtype}'s {num(limit)}: "
-            f"autocast's cast of it to {dtype} gives inf, {made}; {when}"
-        )
+    evidence += _weights_evidence(run, ev, beyond, live)
     prev = run.output_series(ev.module, ev.step)
     if len(prev):
         last = float(prev.iloc[-1])

@@ -186,7 +186,7 @@ def _make_out(out: Path) -> bool:
 
 # ------------------------------------------------------------------------------------------- report
 def _load(path: Path) -> Any:
-    from . import load
+    from ._trace import load
     from ._errors import NantraceError
 
     try:  # load's warnings (e.g. a missing rank) become clean lines, not raw Python warnings
@@ -319,7 +319,7 @@ def _new_out_dir(kind: str = "demo") -> Path:
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
-    from . import trace
+    from ._trace import trace
     from ._report import overflow_runs, summary_lines
     from .examples.chargpt import DemoConfig, build, train_step
 
