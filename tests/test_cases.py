@@ -194,16 +194,33 @@ def test_c05_log_of_zero_count_in_data_is_reported() -> None:
 
 # ----------------------------------------------------------------------------------------------- C06
 class Gate(nn.Module):
+    """``where(p < 0.5, log(1 - p + 1e-6), 0)``: float16 rounds the guard away (``1e-6 - 1.0`` is ``-1.0``), so
+    ``log1p(-1) = -inf`` in an entry that ``where`` discards. The forward is finite; in backward ``where`` sends
+    that entry a gradient of exactly 0 and ``log1p``'s derivative ``1 / (1 + x)`` is inf there: 0·inf = NaN.
+
+    The guard is an added epsilon, whose gradient is 1 everywhere, and not the ``p.clamp(max=1 - 1e-6)`` of CASES
+    C06: that clamp's gradient at its bound (which float16 rounds to 1.0, the clamped value) is a convention that
+    torch changed (2.13 passes the NaN on to ``p``, 2.14 sends 0), so with it the NaN leaves the gate on some
+    versions only (``test_c06_clamp_guard_depends_on_clamp_gradient_at_its_bound``)."""
+
+    def forward(self, p: torch.Tensor) -> torch.Tensor:
+        y = torch.log1p(1e-6 - p)
+        return torch.where(p < 0.5, y, torch.zeros_like(y))
+
+
+class ClampGate(nn.Module):
+    """CASES C06 as written: the guard is ``p.clamp(max=1 - 1e-6)``, whose bound float16 rounds to 1.0."""
+
     def forward(self, p: torch.Tensor) -> torch.Tensor:
         y = torch.log1p(-p.clamp(max=1 - 1e-6))
         return torch.where(p < 0.5, y, torch.zeros_like(y))
 
 
 class C06Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, gate: nn.Module | None = None) -> None:
         super().__init__()
         self.proj = nn.Linear(4, 4)
-        self.gate = Gate()
+        self.gate = Gate() if gate is None else gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gate(torch.sigmoid(self.proj(x)) + x)
@@ -223,6 +240,41 @@ def test_c06_backward_zero_times_inf_in_gate() -> None:
     assert int(fwd[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum()) == 0
     assert _where(tr.first_overflow()) == (0, 0, "backward", "gate", 0, "nan")
     assert tr.first_overflow().tensor == "grad_input[0]"
+
+
+def _clamp_passes_the_gradient_at_its_bound() -> bool:
+    """Whether this torch's ``clamp`` backward passes the incoming gradient of an element that float16 rounded onto
+    the bound (``1.0`` clamped to ``1 - 1e-6``, which is 1.0): torch 2.13 does, torch 2.14 sends 0."""
+    p = torch.ones(1, dtype=torch.float16, requires_grad=True)
+    p.clamp(max=1 - 1e-6).backward(torch.ones(1, dtype=torch.float16))
+    assert p.grad is not None
+    return bool(p.grad.item() == 1.0)
+
+
+def test_c06_clamp_guard_depends_on_clamp_gradient_at_its_bound() -> None:
+    """CASES C06 with its clamp guard. Inside the gate's backward ``log1p`` makes the NaN (0·inf) on every torch;
+    whether it leaves the gate is the clamp's gradient at its bound. Where the clamp passes it (torch 2.13) the
+    gate's grad_input is NaN: backward · gate · nan. Where it sends 0 (torch 2.14) every gradient the hooks see is
+    finite and there is nothing to report."""
+    m = C06Model(ClampGate())
+    with torch.no_grad():
+        m.proj.weight.zero_()
+        m.proj.bias.fill_(-20.0)
+    m = m.half()
+    x = torch.tensor([[0.1, 0.2, 1.0, 0.3]], dtype=torch.float16)
+    c = nantrace.hunt(lambda: m(x).sum().backward(), kind="nan")
+    assert c is not None
+    assert (c.op, c.module, c.phase, c.kind) == ("aten::div.Tensor", "gate", "backward", "nan")
+    m.zero_grad()
+    with nantrace.trace(m) as tr:
+        m(x).sum().backward()
+    if _clamp_passes_the_gradient_at_its_bound():
+        assert _where(tr.first_overflow()) == (0, 0, "backward", "gate", 0, "nan")
+        assert tr.first_overflow().tensor == "grad_input[0]"
+    else:
+        assert tr.first_overflow() is None
+        assert int(tr.records[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum()) == 0
+        assert m.proj.bias.grad is not None and bool(torch.isfinite(m.proj.bias.grad).all())
 
 
 # ----------------------------------------------------------------------------------------------- C07

@@ -699,7 +699,7 @@ def test_quiet_divergence_before_any_overflow() -> None:
 
 
 class HalfGate(Gate):
-    """Gate computed in float16 even under autocast, so 1 - 1e-6 rounds to 1 and log1p(-1) = -inf."""
+    """Gate computed in float16 even under autocast, so its 1e-6 guard rounds away and log1p(-1) = -inf."""
 
     def forward(self, p: torch.Tensor) -> torch.Tensor:
         return super().forward(p.half())
