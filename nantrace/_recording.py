@@ -69,6 +69,19 @@ def _chunk_mask(chunk: dict[str, Any], store: Store) -> Any:
     )
 
 
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning that points at the first frame outside nantrace and torch (the user's
+    line that called into them)."""
+    import os
+    import sys
+
+    skip = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
+
+
 def _check_objects(model: Any, scaler: Any, optimizer: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}: {model!r:.80}")
@@ -142,6 +155,7 @@ class Recording:
         self.exiting = False
         self.manual_steps = False
         self.reduced_done = False
+        self.warned_no_loss = False
         # set by ``nantrace run`` when one GradScaler serves several traced models: which losses are this model's
         self.loss_filter: Callable[[Any], bool] | None = None
         # a collective when world_size > 1: every rank creates its recording (see nantrace._procgroup)
@@ -237,15 +251,19 @@ class Recording:
                 rec.add("loss", 0, self.store.types.code("loss"), 0, path, t, is_grad=False, parent=-1)
             rec.pending.losses.append(t.detach().float().mean())
 
-    def step(self, loss: torch.Tensor | None) -> None:
+    def step(self, loss: torch.Tensor | float | None) -> None:
         """``Trace.step``: record ``loss``; without scaler and optimizer, close the step.
 
         Raises:
-            TypeError: ``loss`` is not a tensor or None.
+            TypeError: ``loss`` is not a tensor, a Python number or None.
             NantraceError: not recording (outside ``with``).
         """
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            loss = torch.tensor(float(loss))  # a loss already read with .item()
         if loss is not None and not isinstance(loss, torch.Tensor):
-            raise TypeError(f"loss must be a torch.Tensor or None; got {type(loss).__name__}")
+            raise TypeError(
+                f"loss must be a torch.Tensor, a Python float or None; got {type(loss).__name__}: {loss!r:.80}"
+            )
         if not self.rec.active:
             raise NantraceError("Trace.step() was called outside its `with nantrace.trace(...)` block")
         if loss is not None:
@@ -386,8 +404,26 @@ class Recording:
         """A training trace (it has a GradScaler or an optimizer): its no-grad root forwards are evaluation."""
         return self.scaler is not None or self.optimizer is not None
 
+    def _warn_no_loss(self) -> None:
+        """Once per recording: an optimizer without a GradScaler closed a step in which no loss was seen."""
+        if (
+            self.warned_no_loss
+            or self.scaler is not None
+            or self.optimizer is None
+            or self.rec.pending.losses
+        ):
+            return
+        self.warned_no_loss = True
+        warnings.warn(
+            f"nantrace: step {self.rec.step} ended at optimizer.step() without a loss: with an optimizer and no "
+            "GradScaler nantrace cannot see the loss, so steps.loss is NaN (not recorded). Call "
+            "tr.step(loss=loss) before optimizer.step() to record it.",
+            stacklevel=_user_stacklevel(),
+        )
+
     def end_step(self) -> None:
         """Close the open step: one host copy, a ``steps`` row; then the observers."""
+        self._warn_no_loss()
         pending = self.rec.pending
         if pending.lr is None and self.optimizer is not None and self.optimizer.param_groups:
             pending.lr = _scaler.current_lr(self.optimizer)  # a step the scaler skipped: lr still applies

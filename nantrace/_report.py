@@ -34,7 +34,9 @@ def _summary(view: RunView) -> dict[str, Any]:
     dtypes = rec["dtype"].astype(str).value_counts().to_dict() if len(rec) else {}
     # a merged trace has a row per step and rank: count each step once (skipped when any rank skipped it)
     skipped = int(st.loc[st["skipped"].fillna(False).astype(bool), "step"].nunique()) if len(st) else 0
+    scaler = bool(len(st)) and bool(st["skipped"].notna().any())  # a GradScaler ran (skipped is <NA> without)
     return {
+        "scaler": scaler,
         "steps": int(st["step"].nunique()) if len(st) else 0,
         "records": len(rec),
         "dtypes": dtypes,
@@ -49,8 +51,8 @@ def trace_text(view: RunView) -> str:
     s = _summary(view)
     mix = ", ".join(f"{k} {v}" for k, v in s["dtypes"].items()) or "none"
     lines = [
-        f"<nantrace.Trace of {view.meta.model_class}: {s['steps']} steps, {s['records']} records, "
-        f"{s['skipped']} skipped by the scaler>",
+        f"<nantrace.Trace of {view.meta.model_class}: {s['steps']} steps, {s['records']} records"
+        + (f", {s['skipped']} skipped by the scaler>" if s["scaler"] else ", no GradScaler>"),
         f"dtypes: {mix}",
         f"first overflow: {s['overflow'] if s['overflow'] is not None else 'none (every recorded value finite)'}",
     ]
@@ -94,7 +96,9 @@ def trace_html(view: RunView) -> str:
     return (
         f'<div class="nantrace-trace"><pre style="display:none">{e(trace_text(view))}</pre>'
         f"<p><b>nantrace.Trace</b> of <code>{e(view.meta.model_class)}</code>: {s['steps']} steps, "
-        f"{s['records']} records, {s['skipped']} skipped by the scaler; dtypes: {mix}</p>{ov_html}{table}</div>"
+        f"{s['records']} records, "
+        + (f"{s['skipped']} skipped by the scaler" if s["scaler"] else "no GradScaler")
+        + f"; dtypes: {mix}</p>{ov_html}{table}</div>"
     )
 
 
@@ -139,6 +143,10 @@ def summary_lines(tr: Any) -> list[str]:
         finite = [v for v in loss if math.isfinite(v)]
         if finite:
             lines.append(f"loss{of_rank}: first {loss[0]:.4g}, last {loss[-1]:.4g}, min {min(finite):.4g}")
+        elif not any(math.isinf(v) for v in loss):  # NaN in steps.loss means no loss was seen in that step
+            lines.append(f"loss{of_rank}: not recorded (no scaler.scale(loss) or tr.step(loss=...) was seen)")
+        else:
+            lines.append(f"loss{of_rank}: never finite (first {loss[0]:.4g}, last {loss[-1]:.4g})")
     return lines
 
 

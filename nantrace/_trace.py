@@ -105,7 +105,7 @@ class Trace:
             self._recording.exit(failed=exc_type is not None)
 
     # ------------------------------------------------------------------ recording
-    def step(self, loss: torch.Tensor | None = None) -> None:
+    def step(self, loss: torch.Tensor | float | None = None) -> None:
         """Mark a step boundary, and/or record the loss of this step.
 
         With a ``scaler`` (boundary: ``scaler.update()``) or an ``optimizer`` (boundary: ``optimizer.step()``),
@@ -113,11 +113,12 @@ class Trace:
         forward calls no longer start steps by themselves (gradient accumulation works).
 
         Args:
-            loss: the step's loss tensor (any shape; its mean is the step's ``loss``), or None.
+            loss: the step's loss tensor (any shape; its mean is the step's ``loss``), a Python float (a loss
+                already read with ``.item()``), or None.
 
         Raises:
             NantraceError: the trace is not inside its ``with`` block.
-            TypeError: ``loss`` is not a tensor or None.
+            TypeError: ``loss`` is not a tensor, a Python number or None.
         """
         if self._recording is None:
             raise NantraceError("Trace.step() was called outside its `with nantrace.trace(...)` block")

@@ -186,8 +186,8 @@ def _make_out(out: Path) -> bool:
 
 # ------------------------------------------------------------------------------------------- report
 def _load(path: Path) -> Any:
-    from ._trace import load
     from ._errors import NantraceError
+    from ._trace import load
 
     try:  # load's warnings (e.g. a missing rank) become clean lines, not raw Python warnings
         with warnings.catch_warnings(record=True) as caught:
@@ -319,8 +319,8 @@ def _new_out_dir(kind: str = "demo") -> Path:
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
-    from ._trace import trace
     from ._report import overflow_runs, summary_lines
+    from ._trace import trace
     from .examples.chargpt import DemoConfig, build, train_step
 
     if args.steps is not None and args.steps < 1:

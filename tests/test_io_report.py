@@ -161,7 +161,7 @@ def test_text_repr_names_steps_dtypes_overflow_and_headroom() -> None:
     tr = _overflowing_trace()
     text = repr(tr)
     lines = text.splitlines()
-    assert lines[0] == "<nantrace.Trace of Overflowing: 3 steps, 18 records, 0 skipped by the scaler>"
+    assert lines[0] == "<nantrace.Trace of Overflowing: 3 steps, 18 records, no GradScaler>"
     assert lines[1] == "dtypes: float16 18"
     assert lines[2].startswith("first overflow: At step 2, `down` (Linear, call 0) produced +inf")
     assert "least fp16 headroom (bits = log2(65504 / absmax)):" in lines

@@ -696,7 +696,10 @@ def _small_steps(m: nn.Module, call: Any, n: int, traced: bool) -> tuple[nantrac
     with tr if tr is not None else contextlib.nullcontext():
         for i in range(n):
             t0 = time.perf_counter()
-            call(x).sum().backward()
+            loss = call(x).sum()
+            loss.backward()
+            if tr is not None:
+                tr.step(loss=loss)  # an optimizer without a GradScaler: the loop hands nantrace its loss
             opt.step()
             opt.zero_grad()
             if i == 0:
