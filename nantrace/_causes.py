@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from ._diagnosis import HEALTHY_UPDATE_RATIO, Diagnosis
+from ._explain import samples_words
 from ._facts import DivergenceFacts, Facts
 from ._fmt import attr_path, module_label, num, steps_text
 from ._masks import is_mask
@@ -81,6 +82,9 @@ def data(run: Facts, ev: Overflow) -> Diagnosis:
         f"at {where}, before any module ran",
         f"finite part of that input: absmax {num(finite_absmax(rows))}",
     ]
+    which = samples_words(run.view, ev.rank, ev.step, ev.micro_step, ev.tensor)
+    if which:
+        evidence.append(f"the values that were not finite are in {which}")
     later = [e.step for e in run.events if e.phase == "data"]
     if len(later) > 1:
         evidence.append(f"the model inputs were non-finite at steps {steps_text(later)}")
@@ -88,8 +92,10 @@ def data(run: Facts, ev: Overflow) -> Diagnosis:
     if skips:
         evidence.append(skips)
     advice = [
-        f"Check the data loader for the batch of {where} (input `{ev.tensor}`): look for log(0), division by "
-        "zero, a corrupt sample or a missing value; e.g. `assert torch.isfinite(x).all()` in the loader.",
+        f"Check the data loader for the batch of {where} (input `{ev.tensor}`"
+        + (f", {which}" if which else "")
+        + "): look for log(0), division by zero, a corrupt sample or a missing value; e.g. "
+        "`assert torch.isfinite(x).all()` in the loader.",
     ]
     if counts.get("neginf"):
         advice.append(

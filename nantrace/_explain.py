@@ -24,7 +24,7 @@ from ._repro import captured_call
 from ._schema import KIND_WORDS, OVERFLOW_COLUMNS, dtype_max, is_wide, wanted_kinds
 from ._view import RunView
 
-__all__ = ["first_overflow", "overflows", "weights_words"]
+__all__ = ["first_overflow", "overflows", "samples_words", "weights_words"]
 
 _MATMUL_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear", "LazyLinear")
 
@@ -45,13 +45,27 @@ def _where(ev: Event) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- per phase
-def _data(ev: Event) -> str:
+def samples_words(view: RunView, rank: int, step: int, micro: int, tensor: str) -> str:
+    """``"samples 3 and 7 of the batch (2 of 16 along dim 0)"`` for a model input that held inf/NaN, from the
+    recorded per-sample flags (:mod:`nantrace._samples`); ``""`` when they were not recorded."""
+    for r, s, m, p, n, first in view.meta.bad_samples:
+        if (r, s, m, p) == (rank, step, micro, tensor) and n:
+            shown = ", ".join(map(str, first))
+            more = f", … ({n} in all)" if n > len(first) else ""
+            return f"sample{'s' if n > 1 else ''} {shown}{more} of the batch (index along dim 0)"
+    return ""
+
+
+def _data(view: RunView, ev: Event) -> str:
     n = int(ev.row[f"n_{ev.raw_kind}"])
     where = _where(ev)
+    f = ev.fields
+    which = samples_words(view, ev.rank, int(f["step"]), int(f["micro_step"]), str(f["tensor"]))
+    look = f"look at {which}" if which else "e.g. log(0), division by zero or a corrupt sample"
     return (
-        f"At {where} the model input `{ev.fields['tensor']}` already held {n} {KIND_WORDS[ev.raw_kind]} value(s) "
+        f"At {where} the model input `{f['tensor']}` already held {n} {KIND_WORDS[ev.raw_kind]} value(s) "
         f"before any module ran: a data fault, not the model. Check the data loader for this batch ({where}); "
-        "e.g. log(0), division by zero or a corrupt sample."
+        f"{look}."
     )
 
 
@@ -314,7 +328,7 @@ def _explain_event(view: RunView, ev: Event) -> str:
     """One or two sentences on one rank's event, with the numbers that matter."""
     phase = ev.fields["phase"]
     if phase == "data":
-        return _data(ev)
+        return _data(view, ev)
     if phase == "forward":
         return _forward(view if len(view.meta.ranks) == 1 else view.rank_view(ev.rank), ev)
     if phase == "loss":

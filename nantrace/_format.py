@@ -80,8 +80,10 @@ def make_header(
     rank: int | None,
     world_size: int,
     run_id: str | None,
+    bad_samples: Any = (),
 ) -> dict[str, Any]:
-    """The JSON header of a trace file (``saved_at`` is now)."""
+    """The JSON header of a trace file (``saved_at`` is now). ``bad_samples``: rows ``(rank, step, micro_step,
+    tensor, n_bad, first indices)`` of the model inputs that held inf/NaN (:mod:`nantrace._samples`)."""
     from ._version import __version__
 
     return {
@@ -97,6 +99,7 @@ def make_header(
         # shared by every rank of one distributed recording (None in a single process): see nantrace._procgroup
         "run_id": run_id,
         "saved_at": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
+        "bad_samples": [[r, s, m, p, n, list(f)] for r, s, m, p, n, f in bad_samples],
     }
 
 

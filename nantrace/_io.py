@@ -52,6 +52,7 @@ def save_view(view: RunView, path: str | os.PathLike[str], *, recording: bool) -
         rank=m.rank,
         world_size=m.world_size,
         run_id=m.run_id,
+        bad_samples=m.bad_samples,
     )
     return write_trace(target, records, view.steps, view.ops, head)
 
@@ -94,6 +95,7 @@ def load_folder(path: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, d
     world = worlds[0]
     recs, steps, ops = [], [], []
     head: dict[str, Any] = {}
+    samples: list[list[Any]] = []
     for rank, _, p in parts:
         meta = metas[p]
         r = read_records(p)
@@ -107,6 +109,7 @@ def load_folder(path: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, d
         ops.append(o)
         if not head:
             head = dict(meta["header"])
+        samples += [[rank, *b[1:]] for b in meta["header"].get("bad_samples", [])]
     ranks = [rank for rank, _, _ in parts]
     missing = sorted(set(range(world)) - set(ranks))
     if missing:
@@ -122,7 +125,9 @@ def load_folder(path: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, d
     ops_df = pd.concat(ops, ignore_index=True)
     if len(ops_df):
         ops_df = ops_df.sort_values(["step", "rank"], kind="stable")
-    head.update(rank=None, world_size=world, ranks=ranks, parts=[p.name for _, _, p in parts])
+    head.update(
+        rank=None, world_size=world, ranks=ranks, parts=[p.name for _, _, p in parts], bad_samples=samples
+    )
     return records, steps_df.reset_index(drop=True), ops_df.reset_index(drop=True), head
 
 

@@ -26,11 +26,12 @@ from ._capture import Capture, make_capture
 from ._errors import NantraceError
 from ._files import check_target
 from ._format import MAGIC, footer, make_header
-from ._hooks import Recorder
+from ._hooks import Recorder, in_backward
 from ._masks import FEATURES, mask_named, mask_rows
 from ._naming import is_sharded, module_names
 from ._options import TraceOptions, compile_filter
 from ._procgroup import part_target, process_group, shared_run_id
+from ._samples import SampleWatch
 from ._schema import PHASE_CODE, PHASES
 from ._store import Store
 from ._tree import flatten
@@ -146,6 +147,7 @@ class Recording:
             every=options.every,
         )
         self.rec.capture = self.capture
+        self.samples = SampleWatch(bool(options.sync_free), self.rank)
         if self.stream_path is not None:
             self.store.stream_to(self.stream_path, options.flush_every)
         self.patched: list[tuple[object, str, bool, Any]] = []
@@ -275,6 +277,7 @@ class Recording:
                 self.manual_steps = True
                 count = self.rec.step
                 self.store.merge_leading_steps(count)
+                self.samples.merge_leading_steps(count)
                 self.rec.step = min(count, 1)
 
     # ------------------------------------------------------------------ enter / exit
@@ -328,6 +331,7 @@ class Recording:
                     rank=self.rank,
                     world_size=self.world_size,
                     run_id=self.run_id,
+                    bad_samples=self.samples.rows,
                 )
                 self.store.close_stream({MAGIC: footer(head, self.store.steps(), self.store.ops_frame())})
 
@@ -353,6 +357,7 @@ class Recording:
             self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
             self.handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
             _ACTIVE[m] = self
+        self.handles.append(self.root.register_forward_pre_hook(self._look_at_samples, with_kwargs=True))
         seen: set[int] = set()
         for name, m in self.selected:  # parameters: gradient after accumulation, value after optimizer.step()
             for pname, p in m.named_parameters(recurse=False):
@@ -371,6 +376,12 @@ class Recording:
             _scaler.attach_optimizer(self, self.optimizer)
         if self.scaler is not None:
             _scaler.attach_scaler(self, self.scaler)
+
+    def _look_at_samples(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """After the recorder's root pre-hook: the per-sample flags of a recorded micro-step's model inputs."""
+        r = self.rec
+        if r.active and not r.eval_depth and r.root_depth == 1 and "data" in r.phases and not in_backward():
+            self.samples.look(r.step, max(r.micro, 0), args, kwargs, r.pending.samples)
 
     def _detach(self) -> None:
         for h in self.handles:
@@ -429,8 +440,10 @@ class Recording:
             pending.lr = _scaler.current_lr(self.optimizer)  # a step the scaler skipped: lr still applies
         n_chunks, closing = len(self.store.chunks), self.rec.step
         self.rec.end_step(_chunk_mask)
+        bad = len(self.store.step_rows) > 0 and self.store.step_rows.cols["n_nonfinite"][-1] > 0
+        self.samples.end_step(self.store.samples_host)
         if self.capture is not None and len(self.store.step_rows) > 0:  # a named capture's fallback call
-            self.capture.end_step(self.store.step_rows.cols["n_nonfinite"][-1] > 0)
+            self.capture.end_step(bool(bad))
         self.reduced_done = False
         for observer in self.observers:
             observer(self, n_chunks, closing, self.exiting)

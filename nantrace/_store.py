@@ -211,6 +211,8 @@ class PendingStep:
     found_inf: torch.Tensor | float | None = None
     lr: Any = None
     micro_steps: int = 0
+    # device summaries of the model inputs' per-sample flags (nantrace._samples), copied with the rest
+    samples: list[torch.Tensor] = field(default_factory=list)
 
 
 class Store:
@@ -230,6 +232,7 @@ class Store:
         self.step_rows = StepRows()
         # first op inside a module call that made a new non-finite kind (forward replay, host path)
         self.ops: list[tuple[int, int, int, int, str, str]] = []
+        self.samples_host: list[np.ndarray] = []
         self._records: pd.DataFrame | None = None
         self._steps: pd.DataFrame | None = None
 
@@ -262,6 +265,8 @@ class Store:
             want("grad_norm", t)
         for key in ("scale", "next_scale", "growth_tracker", "found_inf", "lr"):
             want(key, getattr(pending, key))
+        for t in pending.samples:
+            want("samples", t, t.numel())
         host = to_host(scalars)
         got: dict[str, list[np.ndarray]] = {}
         pos = 0
@@ -317,6 +322,7 @@ class Store:
                 "rank": self.rank,
             }
         )
+        self.samples_host = got.get("samples", [])  # read by the recording's SampleWatch after the flush
         self._records = None
         self._steps = None
 

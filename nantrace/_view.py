@@ -22,7 +22,7 @@ from ._naming import module_names, torch_builtin
 from ._recording import Recording
 from ._schema import dtype_max
 
-__all__ = ["LiveModel", "RunMeta", "RunView", "view_of"]
+__all__ = ["LiveModel", "RunMeta", "RunView", "loaded_view", "view_of"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class RunMeta:
         world_size: ranks of the run (1 without a process group).
         run_id: the id all ranks of one distributed recording share (None in a single process).
         ranks: the ranks whose rows the view holds.
+        bad_samples: ``(rank, step, micro_step, tensor, n_bad, first indices)`` for each model input that held
+            inf/NaN: which samples along the batch dimension (:mod:`nantrace._samples`).
     """
 
     model_class: str
@@ -46,6 +48,7 @@ class RunMeta:
     world_size: int
     run_id: str | None
     ranks: tuple[int, ...]
+    bad_samples: tuple[tuple[int, int, int, str, int, tuple[int, ...]], ...] = ()
 
 
 class LiveModel:
@@ -121,7 +124,10 @@ class RunView:
                 return df
             return df[df["rank"].to_numpy() == rank].reset_index(drop=True)
 
-        meta = replace(self.meta, rank=rank, ranks=(rank,), header=dict(self.meta.header, rank=rank))
+        mine = tuple(b for b in self.meta.bad_samples if b[0] == rank)
+        meta = replace(
+            self.meta, rank=rank, ranks=(rank,), header=dict(self.meta.header, rank=rank), bad_samples=mine
+        )
         return RunView(pick(self.records), pick(self.steps), pick(self.ops), meta)
 
 
@@ -140,6 +146,7 @@ def view_of(rec: Recording, records: pd.DataFrame | None = None) -> RunView:
         world_size=rec.world_size,
         run_id=rec.run_id,
         ranks=(rec.rank,),
+        bad_samples=tuple(rec.samples.rows),
     )
     rows = rec.store.records() if records is None else records
     return RunView(rows, rec.store.steps(), rec.store.ops_frame(), meta, live, rec.capture)
@@ -164,5 +171,9 @@ def loaded_view(
         world_size=int(header.get("world_size", 1) or 1),
         run_id=header.get("run_id"),
         ranks=ranks,
+        bad_samples=tuple(
+            (int(r), int(s), int(m), str(p), int(n), tuple(int(i) for i in f))
+            for r, s, m, p, n, f in header.get("bad_samples", [])
+        ),
     )
     return RunView(records, steps, ops, meta)

@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
             "_options",
             "_format",
             "_scaler",
+            "_samples",
             "_recording",
         ],
         1,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,3 +57,47 @@ def test_no_warning_when_the_loop_gives_its_loss() -> None:
         warnings.simplefilter("error")
         tr = _sgd_run(loss_as="tensor")
     assert not any(line.startswith("loss: not recorded") for line in summary_lines(tr))
+
+
+def _data_fault(*, sync_free: bool | None, bad_rows: tuple[int, ...], batch: int = 16) -> nantrace.Trace:
+    torch.manual_seed(0)
+    model = TwoLinear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nantrace.trace(model, optimizer=opt, sync_free=sync_free) as tr:
+        for step in range(2):
+            x = torch.ones(batch, 4)
+            if step == 1:
+                for i in bad_rows:
+                    x[i, i % 4] = float("nan")
+            opt.zero_grad()
+            loss = model(x).sum()
+            loss.backward()
+            tr.step(loss=loss)
+            opt.step()
+    return tr
+
+
+@pytest.mark.parametrize("sync_free", [None, True])
+def test_a_data_fault_names_the_samples_along_the_batch_dimension(
+    sync_free: bool | None, tmp_path: Path
+) -> None:
+    tr = _data_fault(sync_free=sync_free, bad_rows=(3, 7))
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase, ov.tensor, ov.kind) == (1, "data", "input[0]", "nan")
+    assert str(ov).endswith(
+        "Check the data loader for this batch (step 1); look at samples 3, 7 of the batch (index along dim 0)."
+    )
+    d = tr.diagnose()
+    assert d.cause == "data"
+    assert (
+        "the values that were not finite are in samples 3, 7 of the batch (index along dim 0)" in d.evidence
+    )
+    back = nantrace.load(tr.save(tmp_path / "t.nantrace"))
+    assert str(back.first_overflow()) == str(ov) and back.diagnose().to_dict() == d.to_dict()
+
+
+def test_many_bad_samples_show_the_first_eight_and_the_count() -> None:
+    tr = _data_fault(sync_free=None, bad_rows=tuple(range(0, 20, 2)), batch=32)
+    assert str(tr.first_overflow()).endswith(
+        "look at samples 0, 2, 4, 6, 8, 10, 12, 14, … (10 in all) of the batch (index along dim 0)."
+    )
