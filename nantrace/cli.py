@@ -25,6 +25,7 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a reader that 
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The ``nantrace`` argument parser: the top-level options and one subparser per command."""
     from ._version import __version__
 
     p = argparse.ArgumentParser(
@@ -37,7 +38,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"nantrace {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    _add_demo_parser(sub)
+    _add_report_parser(sub)
+    _add_plot_parser(sub)
+    _add_run_parser(sub)
+    return p
 
+
+def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``nantrace demo`` to the subparsers ``sub``."""
     d = sub.add_parser(
         "demo",
         help="train a small character-level GPT on the stdlib's source in fp16 and locate its overflow",
@@ -68,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+
+def _add_report_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``nantrace report`` to the subparsers ``sub``."""
     r = sub.add_parser("report", help="print the locator report, diagnosis and summary of a saved trace")
     r.add_argument("path", type=Path, help="a file written by Trace.save (e.g. OUT/trace.nantrace)")
     r.add_argument(
@@ -79,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
         "directory (needs nantrace[tensorboard])",
     )
 
+
+def _add_plot_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``nantrace plot`` to the subparsers ``sub``."""
     pl = sub.add_parser("plot", help="draw a saved trace to a PNG")
     pl.add_argument("path", type=Path, help="a file written by Trace.save")
     pl.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
@@ -90,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--step", type=int, default=None, help="step for --what ranges (default: first overflow)")
 
+
+def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``nantrace run`` to the subparsers ``sub``."""
     ru = sub.add_parser(
         "run",
         help="run an unmodified training script with nantrace attached (like python -m cProfile)",
@@ -139,7 +157,6 @@ def _parser() -> argparse.ArgumentParser:
     ru.add_argument("script", help="the Python script to run")
     rest = ru.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments (optional)")
     rest.required = False  # argparse counts a REMAINDER positional as required in its error message
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

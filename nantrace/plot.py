@@ -71,6 +71,7 @@ _NONFINITE_COLOR = "#ff00ff"  # magenta: NaN or +-inf was seen
 _NO_DATA_COLOR = "#d9d9d9"  # light grey: no record, or no finite value
 _BEYOND_LIMIT_COLOR = "#000000"  # black: finite but above the limit dtype's max (a wider dtype)
 _ROOT_LABEL = "<root>"
+_LOSS_COLOR = "tab:blue"
 _MAX_NONFINITE_MARKERS = 5000  # more onsets of NaN/inf runs than this: magenta overlay only
 
 
@@ -506,21 +507,20 @@ def _special_levels(value: str, limits: _Limits) -> list[tuple[float, str]]:
     return [(math.log2(m), text) for m, text in marks]
 
 
-def _draw_heatmap(
-    fig: Figure,
-    ax: Axes,
-    records: object,
-    value: str,
-    phase: object,
-    limits: _Limits,
-    max_modules: int | None,
-) -> tuple[Any, list[tuple[float, str]], str]:
-    """Draw the heatmap on ``ax``; return the value mesh, the colour-bar levels and its ``extend``."""
-    import matplotlib
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
+@dataclass(frozen=True)
+class _HeatmapRows:
+    """The module x step grids one heatmap draws, after ``max_modules`` picked its rows."""
 
+    values: pd.DataFrame  # headroom (bits) or log2 absmax of each drawn (module, step)
+    bad: pd.DataFrame  # True where a NaN/inf was counted; same index and columns as values
+    n_total: int  # modules in the phase before max_modules dropped any
+    first_bad: tuple[int, str] | None  # (step, modules) of the first NaN/inf over all modules
+
+
+def _heatmap_rows(
+    records: object, value: str, phase: object, limits: _Limits, max_modules: int | None
+) -> _HeatmapRows:
+    """The grids of :func:`heatmap_grid` and :func:`nonfinite_grid`, cut to ``max_modules`` rows."""
     absmax, bad = _grids(records, phase)
     values = _transform(absmax, value, limits)
     n_total = len(values.index)
@@ -528,101 +528,149 @@ def _draw_heatmap(
     if max_modules is not None and n_total > max_modules:
         keep = _keep_riskiest(values, bad, value, max_modules)
         values, bad = values.iloc[keep], bad.iloc[keep]
-    n_rows, n_steps = values.shape
-    data = values.to_numpy(dtype="float64")
-    mask = bad.to_numpy(dtype=bool)
-    steps = values.columns.to_numpy(dtype="float64")
+    return _HeatmapRows(values=values, bad=bad, n_total=n_total, first_bad=first_bad)
+
+
+@dataclass(frozen=True)
+class _ColourScale:
+    """How the cell values map to colours: the colour map, its range and the values as drawn."""
+
+    cmap: Any  # a matplotlib Colormap with the "no data", "under" and "over" colours set
+    vmin: float
+    vmax: float
+    shown: np.ndarray  # the cell values, +-inf replaced by a value just outside [vmin, vmax]
+    n_beyond: int  # cells above the limit dtype's max that the NaN/inf overlay does not hide
+
+
+def _colour_scale(data: np.ndarray, mask: np.ndarray, value: str, limits: _Limits) -> _ColourScale:
+    """The colour scale of the cells ``data`` (headroom bits or log2 absmax); ``mask``: NaN/inf seen.
+
+    The colour range ends at the limit dtype's max (0 bits of headroom, log2(max) of log2_absmax);
+    values beyond it (only possible for tensors wider than the limit dtype) get one "over the
+    limit" colour, the colour bar's extension.
+    """
+    import matplotlib
 
     finite = data[np.isfinite(data)]
-    # The colour range ends at the limit dtype's max (0 bits of headroom, log2(max) of log2_absmax);
-    # values beyond it (only possible for tensors wider than the limit dtype) get one "over the
-    # limit" colour, the colour bar's extension.
     if value == "headroom":
         vmin = 0.0
         vmax = max(float(finite.max()) if finite.size else 0.0, 1.0)
-        cmap_name = "RdYlBu"  # red = little headroom
+        cmap = matplotlib.colormaps["RdYlBu"]  # red = little headroom
+        cmap = cmap.with_extremes(bad=_NO_DATA_COLOR, under=_BEYOND_LIMIT_COLOR, over=cmap(1.0))
+        shown = np.where(np.isposinf(data), vmax + 1.0, data)  # absmax == 0: most headroom
+        beyond_cells = shown < vmin
     else:
         vmax = limits.log2_max
         vmin = min(float(finite.min()) if finite.size else vmax, vmax - 1.0)
-        cmap_name = "RdYlBu_r"  # red = large values
-    cmap = matplotlib.colormaps[cmap_name]
-    beyond = _BEYOND_LIMIT_COLOR
-    if value == "headroom":
-        cmap = cmap.with_extremes(bad=_NO_DATA_COLOR, under=beyond, over=cmap(1.0))
-        shown = np.where(np.isposinf(data), vmax + 1.0, data)  # absmax == 0: most headroom
-    else:
-        cmap = cmap.with_extremes(bad=_NO_DATA_COLOR, over=beyond, under=cmap(0.0))
+        cmap = matplotlib.colormaps["RdYlBu_r"]  # red = large values
+        cmap = cmap.with_extremes(bad=_NO_DATA_COLOR, over=_BEYOND_LIMIT_COLOR, under=cmap(0.0))
         shown = np.where(np.isneginf(data), vmin - 1.0, data)  # absmax == 0: smallest value
-    beyond_cells = (shown < vmin) if value == "headroom" else (shown > vmax)
+        beyond_cells = shown > vmax
     n_beyond = int(np.count_nonzero(beyond_cells & ~mask))  # those not hidden under the NaN/inf overlay
+    return _ColourScale(cmap=cmap, vmin=vmin, vmax=vmax, shown=shown, n_beyond=n_beyond)
 
+
+def _draw_nonfinite(
+    ax: Axes, x_edges: np.ndarray, y_edges: np.ndarray, mask: np.ndarray, steps: np.ndarray
+) -> None:
+    """Overlay the cells of ``mask`` (NaN/inf seen) in magenta, with an x at each run's first step.
+
+    The x keeps a single bad cell visible when cells are smaller than a pixel; with more than
+    :data:`_MAX_NONFINITE_MARKERS` runs only the overlay is drawn.
+    """
+    from matplotlib.colors import ListedColormap
+
+    overlay = ax.pcolormesh(
+        x_edges,
+        y_edges,
+        np.ma.masked_where(~mask, np.ones(mask.shape)),
+        cmap=ListedColormap([_NONFINITE_COLOR]),
+        vmin=0,
+        vmax=2,
+        shading="flat",
+        rasterized=True,
+    )
+    overlay.set_gid("nonfinite")
+    onset = mask & ~np.pad(mask, ((0, 0), (1, 0)))[:, :-1]
+    rows, cols = np.nonzero(onset)
+    if rows.size <= _MAX_NONFINITE_MARKERS:
+        ax.scatter(
+            steps[cols],
+            rows,
+            marker="x",
+            s=30.0 if mask.size <= 5000 else 16.0,
+            c="black",
+            linewidths=1.0,
+            zorder=3,
+            gid="nonfinite_onsets",
+        )
+
+
+def _draw_cells(ax: Axes, rows: _HeatmapRows, scale: _ColourScale) -> Any:
+    """Draw the value cells and the NaN/inf overlay of ``rows``; return the value mesh."""
+    n_rows = len(rows.values.index)
+    mask = rows.bad.to_numpy(dtype=bool)
+    steps = rows.values.columns.to_numpy(dtype="float64")
     x_edges = _cell_edges(steps)
     y_edges = np.arange(n_rows + 1) - 0.5
     mesh = ax.pcolormesh(
         x_edges,
         y_edges,
-        np.ma.masked_invalid(shown),
-        cmap=cmap,
-        vmin=vmin,
-        vmax=vmax,
+        np.ma.masked_invalid(scale.shown),
+        cmap=scale.cmap,
+        vmin=scale.vmin,
+        vmax=scale.vmax,
         shading="flat",
         rasterized=True,
     )
     mesh.set_gid("values")
     if mask.any():
-        overlay = ax.pcolormesh(
-            x_edges,
-            y_edges,
-            np.ma.masked_where(~mask, np.ones(mask.shape)),
-            cmap=ListedColormap([_NONFINITE_COLOR]),
-            vmin=0,
-            vmax=2,
-            shading="flat",
-            rasterized=True,
-        )
-        overlay.set_gid("nonfinite")
-        # An x marks where each run of non-finite cells starts in a module, so that a single bad
-        # cell stays visible when cells are smaller than a pixel.
-        onset = mask & ~np.pad(mask, ((0, 0), (1, 0)))[:, :-1]
-        rows, cols = np.nonzero(onset)
-        if rows.size <= _MAX_NONFINITE_MARKERS:
-            ax.scatter(
-                steps[cols],
-                rows,
-                marker="x",
-                s=30.0 if n_rows * n_steps <= 5000 else 16.0,
-                c="black",
-                linewidths=1.0,
-                zorder=3,
-                gid="nonfinite_onsets",
-            )
+        _draw_nonfinite(ax, x_edges, y_edges, mask, steps)
     ax.set_xlim(x_edges[0], x_edges[-1])
     ax.set_ylim(n_rows - 0.5, -0.5)  # first-seen module on top
+    return mesh
+
+
+def _label_heatmap_axes(fig: Figure, ax: Axes, rows: _HeatmapRows) -> None:
+    """Module names on the y axis (thinned to fit, keeping the first NaN/inf module), axis labels."""
+    from matplotlib.ticker import MaxNLocator
+
+    n_rows = len(rows.values.index)
+    mask = rows.bad.to_numpy(dtype=bool)
     fontsize = 8.0 if n_rows <= 30 else 6.0
     # label the module of the first NaN/inf even when thinning would skip it
     bad_cols = np.nonzero(mask.any(axis=0))[0]
     first_bad_rows = np.nonzero(mask[:, bad_cols[0]])[0][:1].tolist() if bad_cols.size else []
     rows_shown = _spaced_labels(n_rows, _label_slots(fig, ax, fontsize), first=first_bad_rows, extra=[])
-    ax.set_yticks(rows_shown, [_module_label(str(values.index[i])) for i in rows_shown], fontsize=fontsize)
+    names = [_module_label(str(rows.values.index[i])) for i in rows_shown]
+    ax.set_yticks(rows_shown, names, fontsize=fontsize)
     ax.tick_params(axis="y", length=2)
     ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
     ax.set_xlabel("optimizer step", loc="left")  # the legend sits below the axes on the right
-    if n_rows == n_total:
+    if n_rows == rows.n_total:
         ax.set_ylabel(f"module, first-seen order ({n_rows} modules)")
     else:
         ax.set_ylabel(
-            f"module, first-seen order\n{n_rows} of {n_total}: earliest NaN/inf, then least headroom"
+            f"module, first-seen order\n{n_rows} of {rows.n_total}: earliest NaN/inf, then least headroom"
         )
 
+
+def _heatmap_title(value: str, limits: _Limits, phase: object, rows: _HeatmapRows, merged: str) -> str:
+    """What the cells show, the phase, and where the first NaN/inf is (``merged``: the ranks note)."""
     if value == "headroom":
         what = f"Headroom to {limits.name} max {limits.max:g}: log2({limits.max:g} / max|x|) [bits]"
     else:
         what = f"log2(max |x|) per module  ({limits.name} overflows above log2({limits.max:g}) = {limits.log2_max:.2f})"
     title = f"{what}, {_phase_label(phase)}"
-    merged = _ranks_note(records)
-    if first_bad is not None:
-        title += f"\nfirst non-finite value at step {first_bad[0]} in {first_bad[1]}{merged}"
-    ax.set_title(title, fontsize=10, loc="left")
+    if rows.first_bad is not None:
+        title += f"\nfirst non-finite value at step {rows.first_bad[0]} in {rows.first_bad[1]}{merged}"
+    return title
+
+
+def _heatmap_legend(ax: Axes, limits: _Limits, n_beyond: int, n_rows: int) -> None:
+    """The legend of the special colours, below the axes on the right."""
+    from matplotlib.patches import Patch
+
     handles = [
         Patch(facecolor=_NONFINITE_COLOR, edgecolor="black", label="NaN/inf seen (x: first step of a run)"),
         Patch(facecolor=_NO_DATA_COLOR, edgecolor="black", label="no record / no finite value"),
@@ -640,7 +688,26 @@ def _draw_heatmap(
         frameon=False,
         borderaxespad=0.2,
     )
-    extend = "neither" if not n_beyond else ("min" if value == "headroom" else "max")
+
+
+def _draw_heatmap(
+    fig: Figure,
+    ax: Axes,
+    records: object,
+    value: str,
+    phase: object,
+    limits: _Limits,
+    max_modules: int | None,
+) -> tuple[Any, list[tuple[float, str]], str]:
+    """Draw the heatmap on ``ax``; return the value mesh, the colour-bar levels and its ``extend``."""
+    rows = _heatmap_rows(records, value, phase, limits, max_modules)
+    data = rows.values.to_numpy(dtype="float64")
+    scale = _colour_scale(data, rows.bad.to_numpy(dtype=bool), value, limits)
+    mesh = _draw_cells(ax, rows, scale)
+    _label_heatmap_axes(fig, ax, rows)
+    ax.set_title(_heatmap_title(value, limits, phase, rows, _ranks_note(records)), fontsize=10, loc="left")
+    _heatmap_legend(ax, limits, scale.n_beyond, len(rows.values.index))
+    extend = "neither" if not scale.n_beyond else ("min" if value == "headroom" else "max")
     return mesh, _special_levels(value, limits), extend
 
 
@@ -743,63 +810,75 @@ def _pow2_formatter() -> Any:
     return FuncFormatter(fmt)
 
 
-def _draw_scale_timeline(ax: Axes, steps: pd.DataFrame) -> None:
-    from matplotlib.ticker import MaxNLocator
+def _timeline_frames(steps: pd.DataFrame) -> tuple[pd.DataFrame, list[tuple[int, pd.DataFrame]]]:
+    """``(frame, per_rank)``: the rows whose scale and skips are drawn, and each rank's rows.
 
+    ``per_rank`` is empty for one rank. For a merged trace the loss differs per rank (one line each),
+    while the loss scale and the skipped steps are those of the lowest rank (every rank's scaler
+    sees the same reduced gradients), so ``frame`` is the lowest rank's rows. Rows are by step.
+    """
     frame = steps.sort_values("step", kind="stable")
     per_rank: list[tuple[int, pd.DataFrame]] = []
     if "rank" in frame.columns and frame["rank"].nunique() > 1:
-        # a merged trace: the loss differs per rank (one line each); the loss scale and the skipped steps are
-        # those of the lowest rank (every rank's scaler sees the same reduced gradients)
         per_rank = [(int(r), frame[frame["rank"].to_numpy() == r]) for r in sorted(frame["rank"].unique())]
         frame = per_rank[0][1]
-    x = frame["step"].to_numpy(dtype="float64")
-    scale = pd.to_numeric(frame["scale"], errors="coerce").to_numpy(dtype="float64")
-    loss = pd.to_numeric(frame["loss"], errors="coerce").to_numpy(dtype="float64")
-    skipped = _skipped_mask(frame["skipped"])
-    has_scale = bool(np.isfinite(scale).any())
+    return frame, per_rank
 
-    loss_color = "tab:blue"
-    handles: list[Any] = []
-    if has_scale:
-        (line,) = ax.plot(x, scale, drawstyle="steps-post", color="black", linewidth=1.2, label="loss scale")
-        line.set_gid("scale")
-        handles.append(line)
-        (marks,) = ax.plot(
-            x[skipped],
-            scale[skipped],
-            linestyle="none",
-            marker="x",
-            markersize=7,
-            markeredgewidth=1.6,
-            color="red",
-            zorder=5,
-            label=f"skipped optimizer step ({int(skipped.sum())})",
-        )
-        marks.set_gid("skipped")
-        handles.append(marks)
-        ax.set_yscale("log", base=2)
-        ax.yaxis.set_major_formatter(_pow2_formatter())
-        ax.set_ylabel("loss scale (log2 axis)")
-        loss_ax = ax.twinx()
-        loss_ax.set_ylabel("loss", color=loss_color)
-        loss_ax.tick_params(axis="y", colors=loss_color)
-    else:
-        loss_ax = ax
-        ax.set_ylabel("loss")
-        ax.text(
-            0.01,
-            0.97,
-            "no GradScaler: the loss scale is NaN in every step, so only the loss is shown",
-            transform=ax.transAxes,
-            va="top",
-            fontsize=8,
-            color="dimgray",
-        )
+
+def _draw_scale(ax: Axes, x: np.ndarray, scale: np.ndarray, skipped: np.ndarray, handles: list[Any]) -> Axes:
+    """The loss scale as a step line on a log2 axis, skipped steps as red x; return the loss's twin axis."""
+    (line,) = ax.plot(x, scale, drawstyle="steps-post", color="black", linewidth=1.2, label="loss scale")
+    line.set_gid("scale")
+    handles.append(line)
+    (marks,) = ax.plot(
+        x[skipped],
+        scale[skipped],
+        linestyle="none",
+        marker="x",
+        markersize=7,
+        markeredgewidth=1.6,
+        color="red",
+        zorder=5,
+        label=f"skipped optimizer step ({int(skipped.sum())})",
+    )
+    marks.set_gid("skipped")
+    handles.append(marks)
+    ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(_pow2_formatter())
+    ax.set_ylabel("loss scale (log2 axis)")
+    loss_ax = ax.twinx()
+    loss_ax.set_ylabel("loss", color=_LOSS_COLOR)
+    loss_ax.tick_params(axis="y", colors=_LOSS_COLOR)
+    return loss_ax
+
+
+def _note_no_scaler(ax: Axes) -> None:
+    """Say on ``ax`` that without a GradScaler only the loss is drawn."""
+    ax.set_ylabel("loss")
+    ax.text(
+        0.01,
+        0.97,
+        "no GradScaler: the loss scale is NaN in every step, so only the loss is shown",
+        transform=ax.transAxes,
+        va="top",
+        fontsize=8,
+        color="dimgray",
+    )
+
+
+def _draw_losses(
+    loss_ax: Axes,
+    x: np.ndarray,
+    loss: np.ndarray,
+    per_rank: list[tuple[int, pd.DataFrame]],
+    handles: list[Any],
+) -> None:
+    """The loss of ``x`` (the lowest rank's, for a merged trace), one line per further rank, and
+    orange triangles along the top edge where the loss is not finite."""
     (loss_line,) = loss_ax.plot(
         x,
         loss,
-        color=loss_color,
+        color=_LOSS_COLOR,
         linewidth=1.0,
         alpha=0.85,
         label=f"loss, rank {per_rank[0][0]}" if per_rank else "loss",
@@ -832,6 +911,23 @@ def _draw_scale_timeline(ax: Axes, steps: pd.DataFrame) -> None:
         )
         bad_marks.set_gid("nonfinite_loss")
         handles.append(bad_marks)
+
+
+def _draw_scale_timeline(ax: Axes, steps: pd.DataFrame) -> None:
+    """Draw :func:`scale_timeline` of the checked ``steps`` frame on ``ax``."""
+    from matplotlib.ticker import MaxNLocator
+
+    frame, per_rank = _timeline_frames(steps)
+    x = frame["step"].to_numpy(dtype="float64")
+    scale = pd.to_numeric(frame["scale"], errors="coerce").to_numpy(dtype="float64")
+    loss = pd.to_numeric(frame["loss"], errors="coerce").to_numpy(dtype="float64")
+    handles: list[Any] = []
+    if np.isfinite(scale).any():
+        loss_ax = _draw_scale(ax, x, scale, _skipped_mask(frame["skipped"]), handles)
+    else:
+        loss_ax = ax
+        _note_no_scaler(ax)
+    _draw_losses(loss_ax, x, loss, per_rank, handles)
     ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
     ax.set_xlabel("optimizer step")
     title = "Loss scale and loss per optimizer step"
@@ -935,6 +1031,170 @@ def _draw_bands(ax: Axes, limits: _Limits, left: float, right: float) -> None:
         ax.axvline(edge, color="dimgray", linewidth=0.8, linestyle="--", zorder=1)
 
 
+def _check_step(step: object) -> int | None:
+    """``step`` as an int, or None.
+
+    Raises:
+        TypeError: ``step`` is neither an int nor None (a bool is not an int here).
+    """
+    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
+        raise TypeError(f"step must be an int or None, got {type(step).__name__} {step!r}")
+    return None if step is None else int(step)
+
+
+def _records_at(selected: pd.DataFrame, step: int, phase: object) -> pd.DataFrame:
+    """The rows of ``selected`` (records in ``phase``) at ``step``.
+
+    Raises:
+        ValueError: there are none; the message gives the range of steps present.
+    """
+    at_step = selected[selected["step"] == step]
+    if at_step.empty:
+        present = selected["step"]
+        raise ValueError(
+            f"step={step!r} has no records in {_phase_label(phase)}; steps present: "
+            f"{int(present.min())}..{int(present.max())}"
+        )
+    return at_step
+
+
+@dataclass(frozen=True)
+class _RangeRows:
+    """The per-module columns of :func:`_module_ranges` as arrays, one entry per bar row."""
+
+    absmin: np.ndarray
+    absmax: np.ndarray
+    n_nan: np.ndarray
+    n_posinf: np.ndarray
+    n_neginf: np.ndarray
+
+    @property
+    def bad(self) -> np.ndarray:
+        """True where a NaN or +-inf was counted."""
+        return (self.n_nan + self.n_posinf + self.n_neginf) > 0
+
+    @classmethod
+    def of(cls, table: pd.DataFrame) -> _RangeRows:
+        return cls(
+            absmin=table["absmin"].to_numpy(dtype="float64"),
+            absmax=table["absmax"].to_numpy(dtype="float64"),
+            n_nan=table["n_nan"].to_numpy(dtype="int64"),
+            n_posinf=table["n_posinf"].to_numpy(dtype="int64"),
+            n_neginf=table["n_neginf"].to_numpy(dtype="int64"),
+        )
+
+
+def _range_xlim(rows: _RangeRows, limits: _Limits) -> tuple[float, float]:
+    """The x range: every positive ``|x|`` and the dtype's bands, with room for the band labels."""
+    positive = np.concatenate([rows.absmin[rows.absmin > 0], rows.absmax[rows.absmax > 0]])
+    # margins of 6 and 5 bits beyond the smallest subnormal and the max leave room for band labels
+    left = min(limits.smallest_subnormal / 2**6, float(positive.min()) / 2 if positive.size else math.inf)
+    right = max(limits.max * 2**5, float(positive.max()) * 2 if positive.size else 0.0)
+    return left, right
+
+
+def _draw_range_bars(ax: Axes, rows: _RangeRows) -> None:
+    """One bar per row from absmin to absmax (red where a NaN/inf was counted), with end ticks."""
+    n = rows.absmax.size
+    y = np.arange(n)
+    drawable = np.isfinite(rows.absmin) & np.isfinite(rows.absmax) & (rows.absmax > 0)
+    lo = np.where(drawable, rows.absmin, np.nan)
+    hi = np.where(drawable, rows.absmax, np.nan)
+    colors = np.where(rows.bad, "tab:red", "tab:blue")
+    height = 0.7 if n <= 60 else 0.9
+    bars = ax.barh(
+        y[drawable], (hi - lo)[drawable], left=lo[drawable], height=height, color=colors[drawable], zorder=2
+    )
+    for patch in bars:
+        patch.set_gid("range")
+    # a bar with absmin == absmax has no width on screen: end ticks keep it visible
+    tick_size = 40 if n <= 60 else 10
+    ax.scatter(lo[drawable], y[drawable], marker="|", s=tick_size, c=colors[drawable], zorder=3)
+    ax.scatter(hi[drawable], y[drawable], marker="|", s=tick_size, c=colors[drawable], zorder=3)
+
+
+def _mark_edge_rows(ax: Axes, rows: _RangeRows) -> None:
+    """A red x at the right edge of rows with a NaN/inf (with their counts, up to 60 rows) and a
+    grey dot at the left edge of all-zero rows."""
+    n = rows.absmax.size
+    y = np.arange(n)
+    bad = rows.bad
+    edge_tf = ax.get_yaxis_transform()
+    if bad.any():
+        ax.scatter(
+            np.full(int(bad.sum()), 0.985),
+            y[bad],
+            marker="x",
+            s=40 if n <= 60 else 12,
+            c="red",
+            linewidths=1.5,
+            transform=edge_tf,
+            zorder=4,
+            gid="nonfinite_modules",
+            clip_on=False,
+        )
+    if bad.any() and n <= 60:
+        for row in np.nonzero(bad)[0]:
+            counts = (("NaN", rows.n_nan[row]), ("+inf", rows.n_posinf[row]), ("-inf", rows.n_neginf[row]))
+            ax.text(
+                0.97,
+                float(row),
+                ", ".join(f"{k} {int(c)}" for k, c in counts if c),
+                transform=edge_tf,
+                ha="right",
+                va="center",
+                fontsize=7,
+                color="darkred",
+                bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none", "pad": 1.0},
+            )
+    zero = (rows.absmax == 0) & ~bad
+    if zero.any():
+        ax.scatter(
+            np.full(int(zero.sum()), 0.01),
+            y[zero],
+            marker="o",
+            s=15,
+            c="dimgray",
+            transform=edge_tf,
+            zorder=4,
+        )
+
+
+def _label_range_rows(fig: Figure, ax: Axes, table: pd.DataFrame, bad: np.ndarray) -> None:
+    """``module (type)`` labels, thinned to fit but keeping NaN/inf modules, those in red."""
+    n = len(table)
+    fontsize = 8.0 if n <= 40 else 6.0
+    bad_rows = np.nonzero(bad)[0].tolist()
+    shown = _spaced_labels(n, _label_slots(fig, ax, fontsize), first=bad_rows[:1], extra=bad_rows[1:])
+    labels = [f"{_module_label(str(table.index[i]))} ({table['module_type'].iloc[i]})" for i in shown]
+    ax.set_yticks(shown, labels, fontsize=fontsize)
+    for tick_label, i in zip(ax.get_yticklabels(), shown, strict=True):
+        if bad[i]:
+            tick_label.set_color("red")
+    ax.set_ylim(n - 0.5, -0.5)
+
+
+def _draw_ranges(fig: Figure, ax: Axes, table: pd.DataFrame, limits: _Limits) -> None:
+    """Draw the bands, bars, edge marks, axes and row labels of the per-module ``table``."""
+    from matplotlib.ticker import NullLocator
+
+    rows = _RangeRows.of(table)
+    left, right = _range_xlim(rows, limits)
+    ax.set_xscale("log", base=2)
+    ax.set_xlim(left, right)
+    _draw_bands(ax, limits, left, right)
+    _draw_range_bars(ax, rows)
+    _mark_edge_rows(ax, rows)
+    lo_exp, hi_exp = math.ceil(math.log2(left)), math.floor(math.log2(right))
+    ax.set_xticks([2.0**e for e in _log2_ticks(lo_exp, hi_exp)])
+    ax.xaxis.set_major_formatter(_pow2_formatter())
+    ax.xaxis.set_minor_locator(NullLocator())
+    _label_range_rows(fig, ax, table, rows.bad)
+    ax.set_xlabel(
+        f"|x| (log2 axis): bar from smallest non-zero |x| to largest finite |x|; bands of {limits.name}"
+    )
+
+
 def ranges(
     records: pd.DataFrame,
     step: int | None = None,
@@ -972,118 +1232,19 @@ def ranges(
             ``records`` lacks a column or has no rows in ``phase``.
     """
     limits = _limits(dtype_limit)
-    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
-        raise TypeError(f"step must be an int or None, got {type(step).__name__} {step!r}")
+    step = _check_step(step)
     _parse_phase(phase)
     frame = _check_frame(records, "records", _RANGE_COLUMNS)
     selected = _select_phase(frame, phase)
     if step is None:
         step = _default_step(selected)
-    at_step = selected[selected["step"] == step]
-    if at_step.empty:
-        present = selected["step"]
-        raise ValueError(
-            f"step={step!r} has no records in {_phase_label(phase)}; steps present: "
-            f"{int(present.min())}..{int(present.max())}"
-        )
+    at_step = _records_at(selected, step, phase)
     _import_matplotlib()
-    from matplotlib.ticker import NullLocator
-
     table = _module_ranges(at_step)
     n = len(table)
     fig, ax = _figure_and_ax(ax, figsize=(11.0, float(np.clip(1.8 + 0.2 * n, 3.5, 14.0))))
-
-    absmin = table["absmin"].to_numpy(dtype="float64")
-    absmax = table["absmax"].to_numpy(dtype="float64")
-    n_nan = table["n_nan"].to_numpy(dtype="int64")
-    n_posinf = table["n_posinf"].to_numpy(dtype="int64")
-    n_neginf = table["n_neginf"].to_numpy(dtype="int64")
-    bad = (n_nan + n_posinf + n_neginf) > 0
-
-    positive = np.concatenate([absmin[absmin > 0], absmax[absmax > 0]])
-    # margins of 6 and 5 bits beyond the smallest subnormal and the max leave room for band labels
-    left = min(limits.smallest_subnormal / 2**6, float(positive.min()) / 2 if positive.size else math.inf)
-    right = max(limits.max * 2**5, float(positive.max()) * 2 if positive.size else 0.0)
-    ax.set_xscale("log", base=2)
-    ax.set_xlim(left, right)
-    _draw_bands(ax, limits, left, right)
-
-    y = np.arange(n)
-    drawable = np.isfinite(absmin) & np.isfinite(absmax) & (absmax > 0)
-    lo = np.where(drawable, absmin, np.nan)
-    hi = np.where(drawable, absmax, np.nan)
-    colors = np.where(bad, "tab:red", "tab:blue")
-    height = 0.7 if n <= 60 else 0.9
-    bars = ax.barh(
-        y[drawable], (hi - lo)[drawable], left=lo[drawable], height=height, color=colors[drawable], zorder=2
-    )
-    for patch in bars:
-        patch.set_gid("range")
-    # a bar with absmin == absmax has no width on screen: end ticks keep it visible
-    ax.scatter(lo[drawable], y[drawable], marker="|", s=40 if n <= 60 else 10, c=colors[drawable], zorder=3)
-    ax.scatter(hi[drawable], y[drawable], marker="|", s=40 if n <= 60 else 10, c=colors[drawable], zorder=3)
-    edge_tf = ax.get_yaxis_transform()
-    if bad.any():
-        ax.scatter(
-            np.full(int(bad.sum()), 0.985),
-            y[bad],
-            marker="x",
-            s=40 if n <= 60 else 12,
-            c="red",
-            linewidths=1.5,
-            transform=edge_tf,
-            zorder=4,
-            gid="nonfinite_modules",
-            clip_on=False,
-        )
-        if n <= 60:
-            for row in np.nonzero(bad)[0]:
-                parts = [
-                    f"{k} {int(c)}"
-                    for k, c in (("NaN", n_nan[row]), ("+inf", n_posinf[row]), ("-inf", n_neginf[row]))
-                    if c
-                ]
-                ax.text(
-                    0.97,
-                    float(row),
-                    ", ".join(parts),
-                    transform=edge_tf,
-                    ha="right",
-                    va="center",
-                    fontsize=7,
-                    color="darkred",
-                    bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none", "pad": 1.0},
-                )
-    zero = (absmax == 0) & ~bad
-    if zero.any():
-        ax.scatter(
-            np.full(int(zero.sum()), 0.01),
-            y[zero],
-            marker="o",
-            s=15,
-            c="dimgray",
-            transform=edge_tf,
-            zorder=4,
-        )
-
-    lo_exp, hi_exp = math.ceil(math.log2(left)), math.floor(math.log2(right))
-    ax.set_xticks([2.0**e for e in _log2_ticks(lo_exp, hi_exp)])
-    ax.xaxis.set_major_formatter(_pow2_formatter())
-    ax.xaxis.set_minor_locator(NullLocator())
-
-    fontsize = 8.0 if n <= 40 else 6.0
-    bad_rows = np.nonzero(bad)[0].tolist()
-    shown = _spaced_labels(n, _label_slots(fig, ax, fontsize), first=bad_rows[:1], extra=bad_rows[1:])
-    labels = [f"{_module_label(str(table.index[i]))} ({table['module_type'].iloc[i]})" for i in shown]
-    ax.set_yticks(shown, labels, fontsize=fontsize)
-    for tick_label, i in zip(ax.get_yticklabels(), shown, strict=True):
-        if bad[i]:
-            tick_label.set_color("red")
-    ax.set_ylim(n - 0.5, -0.5)
-    ax.set_xlabel(
-        f"|x| (log2 axis): bar from smallest non-zero |x| to largest finite |x|; bands of {limits.name}"
-    )
-    n_bad_modules = int(bad.sum())
+    _draw_ranges(fig, ax, table, limits)
+    n_bad_modules = int(_RangeRows.of(table).bad.sum())
     ax.set_title(
         f"Value range per module at step {step}, {_phase_label(phase)} "
         f"({n} modules, {n_bad_modules} with NaN/inf)",
