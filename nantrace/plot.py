@@ -1,5 +1,11 @@
 """Figures for nantrace records: how close each module's values come to a dtype's limits.
 
+Every figure takes a ``Trace`` (``nantrace.trace``'s result or ``nantrace.load``'s) or the DataFrames
+it holds (``tr.records``, ``tr.steps``). A Trace is recognised by duck typing (:class:`TraceLike`:
+``.records`` and ``.steps`` DataFrames and ``first_overflow()``), so this module never imports the
+Trace class; with a Trace, the figures that name a step or an overflow use the locator's first
+overflow (``tr.first_overflow()``), which names the producer and ignores attention masks' ``-inf``.
+
 All figures are built with the object API (:class:`matplotlib.figure.Figure`), never with
 ``pyplot``'s global state, so they work headless (Agg) and in threads. matplotlib is imported only
 when a plotting function is called; without it those functions raise :class:`ImportError`.
@@ -26,7 +32,7 @@ import importlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import pandas as pd
@@ -38,6 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PHASES",
+    "TraceLike",
     "heatmap",
     "heatmap_grid",
     "nonfinite_grid",
@@ -73,6 +80,101 @@ _BEYOND_LIMIT_COLOR = "#000000"  # black: finite but above the limit dtype's max
 _ROOT_LABEL = "<root>"
 _LOSS_COLOR = "tab:blue"
 _MAX_NONFINITE_MARKERS = 5000  # more onsets of NaN/inf runs than this: magenta overlay only
+
+
+class _OverflowLike(Protocol):
+    """What the figures read of a ``nantrace.Overflow``."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def phase(self) -> str: ...
+    @property
+    def module(self) -> str: ...
+    @property
+    def tensor(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+
+
+class TraceLike(Protocol):
+    """What the figures read of a nantrace ``Trace``; any object with these members is accepted.
+
+    ``records`` and ``steps`` are the DataFrames described in the README (one row per recorded
+    tensor, one row per step); ``first_overflow()`` returns the locator's first producer of a
+    non-finite value (with ``step``, ``phase``, ``module``, ``tensor``, ``kind``, ``rank``) or None.
+    """
+
+    @property
+    def records(self) -> pd.DataFrame: ...
+    @property
+    def steps(self) -> pd.DataFrame: ...
+    def first_overflow(self) -> _OverflowLike | None: ...
+
+
+@dataclass(frozen=True)
+class _TraceParts:
+    """A Trace's frames, each read once (every access of ``Trace.records`` makes a copy)."""
+
+    records: pd.DataFrame
+    steps: pd.DataFrame
+    trace: TraceLike
+
+    def first_overflow(self) -> _OverflowLike | None:
+        return self.trace.first_overflow()
+
+
+_TRACE_MEMBERS = ("records", "steps", "first_overflow")
+_ABSENT = object()
+
+
+def _trace_parts(source: object, arg: str) -> _TraceParts | None:
+    """``source``'s frames when it is a Trace (:class:`TraceLike`); None when it is not one at all.
+
+    A DataFrame, or an object with none of ``records``, ``steps``, ``first_overflow``, is not a
+    Trace (None: the caller checks it as a DataFrame and says what it expected).
+
+    Raises:
+        TypeError: ``source`` has some of those members but not all, ``records`` or ``steps`` is
+            not a DataFrame, or ``first_overflow`` is not callable; the message names ``arg``.
+    """
+    if isinstance(source, pd.DataFrame):
+        return None
+    got = {name: getattr(source, name, _ABSENT) for name in _TRACE_MEMBERS}  # each read once: copies
+    present = [name for name, value in got.items() if value is not _ABSENT]
+    if not present:
+        return None
+    kind = type(source).__name__
+    hint = "pass a nantrace Trace (.records, .steps, .first_overflow()) or the DataFrame itself"
+    missing = [name for name in _TRACE_MEMBERS if name not in present]
+    if missing:
+        raise TypeError(f"{arg}: this {kind} has {present} but not {missing}, so it is not a Trace; {hint}")
+    for name in ("records", "steps"):
+        if not isinstance(got[name], pd.DataFrame):
+            raise TypeError(
+                f"{arg}: the {kind}'s .{name} is a {type(got[name]).__name__}, not a pandas.DataFrame; {hint}"
+            )
+    if not callable(got["first_overflow"]):
+        raise TypeError(f"{arg}: the {kind}'s .first_overflow is not callable; {hint}")
+    return _TraceParts(records=got["records"], steps=got["steps"], trace=source)  # type: ignore[arg-type]
+
+
+def _frame_of(
+    source: object, arg: str, columns: Sequence[str], which: Literal["records", "steps"] = "records"
+) -> tuple[pd.DataFrame, _TraceParts | None]:
+    """``(frame, parts)``: ``source`` checked as a DataFrame, or a Trace's ``which`` frame and its parts.
+
+    Raises:
+        TypeError: ``source`` is neither a DataFrame nor a Trace (see :func:`_trace_parts`).
+        ValueError: the frame lacks one of ``columns`` or has no rows.
+    """
+    parts = _trace_parts(source, arg)
+    if parts is None:
+        return _check_frame(source, arg, columns), None
+    frame = parts.records if which == "records" else parts.steps
+    return _check_frame(frame, f"the {type(parts.trace).__name__}'s {which}", columns), parts
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,7 +241,7 @@ def _check_frame(frame: object, arg: str, columns: Sequence[str]) -> pd.DataFram
         ValueError: it lacks one of ``columns`` or has no rows.
     """
     if not isinstance(frame, pd.DataFrame):
-        raise TypeError(f"{arg} must be a pandas.DataFrame, got {type(frame).__name__}")
+        raise TypeError(f"{arg} must be a pandas.DataFrame or a Trace, got {type(frame).__name__}")
     missing = [c for c in columns if c not in frame.columns]
     if missing:
         raise ValueError(f"{arg} is missing required column(s) {missing}; it has {list(frame.columns)}")
@@ -281,6 +383,33 @@ def _label_slots(fig: Figure, ax: Axes, fontsize: float, vertical: bool = True) 
 # heatmap
 # --------------------------------------------------------------------------------------------
 
+_ROW_LINE = 1.4  # row height / label font size at which neighbouring labels do not touch
+_HEATMAP_CHROME_IN = 2.6  # figure height beside the rows: title, x axis, legend, margins (inches)
+#: The tallest heatmap figure (inches) this module makes to label every row: at 6 pt ~2500 rows; at
+#: savefig's dpi up to 200 it stays below Agg's limit of 65536 pixels.
+MAX_HEATMAP_HEIGHT_IN = 300.0
+
+
+def _row_fontsize(n_rows: int) -> float:
+    """Font size (points) of the module labels of a heatmap with ``n_rows`` rows."""
+    return 8.0 if n_rows <= 30 else 6.0
+
+
+def _rows_height(n_rows: int) -> float:
+    """Figure height (inches) that gives each of ``n_rows`` rows room for its own label."""
+    return _HEATMAP_CHROME_IN + n_rows * _row_fontsize(n_rows) * _ROW_LINE / 72
+
+
+def _heatmap_height(n_rows: int, lo: float, hi: float) -> tuple[float, bool]:
+    """``(height, label_all)``: the heatmap's height in inches, and whether every row gets a label.
+
+    The height is ``2.2 + 0.16 * n_rows`` clipped to ``lo .. hi``, raised to what labelling every row
+    needs, at most :data:`MAX_HEATMAP_HEIGHT_IN` (past that the labels are thinned).
+    """
+    need = _rows_height(n_rows)
+    base = float(np.clip(2.2 + 0.16 * n_rows, lo, hi))
+    return min(max(base, need), MAX_HEATMAP_HEIGHT_IN), need <= MAX_HEATMAP_HEIGHT_IN
+
 
 def _module_codes(module: pd.Series) -> tuple[np.ndarray, list[str]]:
     """Integer codes of the module names and the name of each code (categorical codes, no copies).
@@ -328,7 +457,7 @@ def _grids(records: object, phase: object) -> tuple[pd.DataFrame, pd.DataFrame]:
     where there was no record or no finite value); ``nonfinite`` is True where any of those
     tensors had ``n_nan + n_posinf + n_neginf > 0``.
     """
-    frame = _check_frame(records, "records", _GRID_COLUMNS)
+    frame, _ = _frame_of(records, "records", _GRID_COLUMNS)
     selected = _select_phase(frame, phase)
     codes, names = _module_codes(selected["module"])
     ordered = _first_seen(selected, codes)
@@ -360,7 +489,7 @@ def _grids(records: object, phase: object) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def heatmap_grid(
-    records: pd.DataFrame,
+    records: pd.DataFrame | TraceLike,
     *,
     value: HeatmapValue = "headroom",
     phase: str | Sequence[str] | None = "forward",
@@ -378,7 +507,7 @@ def heatmap_grid(
       ``-inf`` where ``absmax == 0``.
 
     Args:
-        records: the nantrace records DataFrame.
+        records: the nantrace records DataFrame, or a Trace (its ``records`` are used).
         value: ``"headroom"`` or ``"log2_absmax"``.
         phase: one of :data:`PHASES`, a sequence of them, or None for all phases.
         dtype_limit: the dtype whose ``finfo.max`` defines headroom (ignored for ``log2_absmax``).
@@ -389,7 +518,8 @@ def heatmap_grid(
         record in that step, or no finite value (see :func:`nonfinite_grid` for the latter).
 
     Raises:
-        TypeError: ``records`` is not a DataFrame, ``phase`` or ``dtype_limit`` has a wrong type.
+        TypeError: ``records`` is neither a DataFrame nor a Trace, ``phase`` or ``dtype_limit`` has a
+            wrong type.
         ValueError: a required column is missing, there are no rows (in ``phase``), or ``value``,
             ``phase`` or ``dtype_limit`` is not a recognised value.
     """
@@ -408,7 +538,7 @@ def _transform(absmax: pd.DataFrame, kind: str, limits: _Limits) -> pd.DataFrame
 
 
 def nonfinite_grid(
-    records: pd.DataFrame,
+    records: pd.DataFrame | TraceLike,
     *,
     phase: str | Sequence[str] | None = "forward",
 ) -> pd.DataFrame:
@@ -416,10 +546,11 @@ def nonfinite_grid(
 
     A cell is True when some record of that (module, step) in ``phase`` has
     ``n_nan + n_posinf + n_neginf > 0``. Same index and columns as :func:`heatmap_grid` with the
-    same ``phase``; False where there is no record.
+    same ``phase``; False where there is no record. ``records`` is the records DataFrame or a
+    Trace (its ``records`` are used).
 
     Raises:
-        TypeError: ``records`` is not a DataFrame or ``phase`` has a wrong type.
+        TypeError: ``records`` is neither a DataFrame nor a Trace, or ``phase`` has a wrong type.
         ValueError: a required column is missing, there are no rows (in ``phase``), or ``phase``
             is not one of :data:`PHASES`.
     """
@@ -631,17 +762,25 @@ def _draw_cells(ax: Axes, rows: _HeatmapRows, scale: _ColourScale) -> Any:
     return mesh
 
 
-def _label_heatmap_axes(fig: Figure, ax: Axes, rows: _HeatmapRows) -> None:
-    """Module names on the y axis (thinned to fit, keeping the first NaN/inf module), axis labels."""
+def _label_heatmap_axes(fig: Figure, ax: Axes, rows: _HeatmapRows, label_all: bool) -> None:
+    """Module names on the y axis, axis labels.
+
+    With ``label_all`` (the figure was sized for it) every row is named; else the names are
+    thinned to fit the axes, keeping the first NaN/inf module.
+    """
     from matplotlib.ticker import MaxNLocator
 
     n_rows = len(rows.values.index)
     mask = rows.bad.to_numpy(dtype=bool)
-    fontsize = 8.0 if n_rows <= 30 else 6.0
-    # label the module of the first NaN/inf even when thinning would skip it
-    bad_cols = np.nonzero(mask.any(axis=0))[0]
-    first_bad_rows = np.nonzero(mask[:, bad_cols[0]])[0][:1].tolist() if bad_cols.size else []
-    rows_shown = _spaced_labels(n_rows, _label_slots(fig, ax, fontsize), first=first_bad_rows, extra=[])
+    fontsize = _row_fontsize(n_rows)
+    if label_all:
+        rows_shown = list(range(n_rows))
+    else:
+        # label the module of the first NaN/inf even when thinning would skip it
+        bad_cols = np.nonzero(mask.any(axis=0))[0]
+        first_bad_rows = np.nonzero(mask[:, bad_cols[0]])[0][:1].tolist() if bad_cols.size else []
+        slots = _label_slots(fig, ax, fontsize)
+        rows_shown = _spaced_labels(n_rows, slots, first=first_bad_rows, extra=[])
     names = [_module_label(str(rows.values.index[i])) for i in rows_shown]
     ax.set_yticks(rows_shown, names, fontsize=fontsize)
     ax.tick_params(axis="y", length=2)
@@ -655,21 +794,55 @@ def _label_heatmap_axes(fig: Figure, ax: Axes, rows: _HeatmapRows) -> None:
         )
 
 
-def _heatmap_title(value: str, limits: _Limits, phase: object, rows: _HeatmapRows, merged: str) -> str:
-    """What the cells show, the phase, and where the first NaN/inf is (``merged``: the ranks note)."""
+def _overflow_line(ov: _OverflowLike, records: pd.DataFrame) -> str:
+    """One line naming the locator's first overflow ``ov`` (and its rank, for a merged trace)."""
+    where = f"the model's {ov.tensor}" if ov.phase == "data" else f"'{_module_label(ov.module)}' {ov.tensor}"
+    line = f"first overflow: step {ov.step}, {ov.phase}, {where} ({ov.kind})"
+    if "rank" in records.columns and records["rank"].nunique() > 1:
+        ranks = ", ".join(str(int(r)) for r in sorted(records["rank"].unique()))
+        line += f", produced by rank {ov.rank} (ranks {ranks} merged)"
+    return line
+
+
+_NO_OVERFLOW = "no overflow: the locator found no NaN/inf produced in this trace"
+
+
+def _nonfinite_note(records: pd.DataFrame, rows: _HeatmapRows, parts: _TraceParts | None) -> str:
+    """The heatmap title's line on where the first NaN/inf is ("" when there is nothing to say).
+
+    For records, the first (step, module) with a NaN/inf in the phase (and the ranks note); for a
+    Trace, the locator's first overflow, which names its producer and ignores an attention mask's
+    ``-inf`` (so magenta cells can remain where the locator found no overflow).
+    """
+    if parts is None:
+        if rows.first_bad is None:
+            return ""
+        step, modules = rows.first_bad
+        return f"\nfirst non-finite value at step {step} in {modules}{_ranks_note(records)}"
+    ov = parts.first_overflow()
+    if ov is not None:
+        return "\n" + _overflow_line(ov, records)
+    if rows.first_bad is None:
+        return ""
+    return f"\n{_NO_OVERFLOW} (magenta cells: values it does not count, e.g. an attention mask's -inf)"
+
+
+def _heatmap_title(value: str, limits: _Limits, phase: object, note: str) -> str:
+    """What the cells show and the phase, then ``note`` (where the first NaN/inf is)."""
     if value == "headroom":
         what = f"Headroom to {limits.name} max {limits.max:g}: log2({limits.max:g} / max|x|) [bits]"
     else:
         what = f"log2(max |x|) per module  ({limits.name} overflows above log2({limits.max:g}) = {limits.log2_max:.2f})"
-    title = f"{what}, {_phase_label(phase)}"
-    if rows.first_bad is not None:
-        title += f"\nfirst non-finite value at step {rows.first_bad[0]} in {rows.first_bad[1]}{merged}"
-    return title
+    return f"{what}, {_phase_label(phase)}{note}"
 
 
-def _heatmap_legend(ax: Axes, limits: _Limits, n_beyond: int, n_rows: int) -> None:
-    """The legend of the special colours, below the axes on the right."""
+def _heatmap_legend(fig: Figure, ax: Axes, limits: _Limits, n_beyond: int) -> None:
+    """The legend of the special colours, below the axes on the right, beside the x label.
+
+    It hangs a fixed 24 points below the axes (clear of the x tick labels), whatever their height.
+    """
     from matplotlib.patches import Patch
+    from matplotlib.transforms import offset_copy
 
     handles = [
         Patch(facecolor=_NONFINITE_COLOR, edgecolor="black", label="NaN/inf seen (x: first step of a run)"),
@@ -682,7 +855,8 @@ def _heatmap_legend(ax: Axes, limits: _Limits, n_beyond: int, n_rows: int) -> No
     ax.legend(
         handles=handles,
         loc="upper right",
-        bbox_to_anchor=(1.0, -0.04 if n_rows > 30 else -0.08),
+        bbox_to_anchor=(1.0, 0.0),
+        bbox_transform=offset_copy(ax.transAxes, fig=fig, y=-24.0, units="points"),
         ncols=len(handles),
         fontsize=7,
         frameon=False,
@@ -693,20 +867,24 @@ def _heatmap_legend(ax: Axes, limits: _Limits, n_beyond: int, n_rows: int) -> No
 def _draw_heatmap(
     fig: Figure,
     ax: Axes,
-    records: object,
+    records: pd.DataFrame,
     value: str,
     phase: object,
     limits: _Limits,
     max_modules: int | None,
+    parts: _TraceParts | None,
+    label_all: bool,
 ) -> tuple[Any, list[tuple[float, str]], str]:
-    """Draw the heatmap on ``ax``; return the value mesh, the colour-bar levels and its ``extend``."""
+    """Draw the heatmap of the checked ``records`` (those of ``parts`` for a Trace) on ``ax``, every row
+    labelled when ``label_all``; return the value mesh, the colour-bar levels and its ``extend``."""
     rows = _heatmap_rows(records, value, phase, limits, max_modules)
     data = rows.values.to_numpy(dtype="float64")
     scale = _colour_scale(data, rows.bad.to_numpy(dtype=bool), value, limits)
     mesh = _draw_cells(ax, rows, scale)
-    _label_heatmap_axes(fig, ax, rows)
-    ax.set_title(_heatmap_title(value, limits, phase, rows, _ranks_note(records)), fontsize=10, loc="left")
-    _heatmap_legend(ax, limits, scale.n_beyond, len(rows.values.index))
+    _label_heatmap_axes(fig, ax, rows, label_all)
+    note = _nonfinite_note(records, rows, parts)
+    ax.set_title(_heatmap_title(value, limits, phase, note), fontsize=10, loc="left")
+    _heatmap_legend(fig, ax, limits, scale.n_beyond)
     extend = "neither" if not scale.n_beyond else ("min" if value == "headroom" else "max")
     return mesh, _special_levels(value, limits), extend
 
@@ -734,7 +912,7 @@ def _add_colorbar(
 
 
 def heatmap(
-    records: pd.DataFrame,
+    records: pd.DataFrame | TraceLike,
     *,
     value: HeatmapValue = "headroom",
     phase: str | Sequence[str] | None = "forward",
@@ -751,12 +929,21 @@ def heatmap(
     magenta, and an x marks the first step of each run of them in a module (omitted when there
     are more than 5000 runs), so that a single bad cell stays visible when cells are smaller than
     a pixel. Grey cells have no record or no finite value; black cells hold finite values above
-    the limit dtype's max (tensors of a wider dtype, e.g. float32 with ``|x| > 65504``). The colour bar marks the dtype's max (0 bits of headroom, ``log2(65504) ~ 16``), its
-    smallest normal (float16 ``2**-14``) and smallest subnormal (``2**-24``) where they fall in range.
-    Modules run top to bottom in first-seen order; tick labels are thinned to fit.
+    the limit dtype's max (tensors of a wider dtype, e.g. float32 with ``|x| > 65504``). The
+    colour bar marks the dtype's max (0 bits of headroom, ``log2(65504) ~ 16``), its smallest
+    normal (float16 ``2**-14``) and smallest subnormal (``2**-24``) where they fall in range.
+
+    Modules run top to bottom in first-seen order, and every row is labelled with its module name:
+    the new Figure is made tall enough (8 pt labels up to 30 rows, then 6 pt, ~0.12 inch a row)
+    up to :data:`MAX_HEATMAP_HEIGHT_IN` inches (~2500 rows); past that, and on an ``ax`` you pass
+    (whose size is yours), the labels are thinned to fit, keeping the first NaN/inf module.
+
+    The title says where the first NaN/inf is: for records, the first step with one in ``phase``
+    and its modules; for a Trace, the locator's first overflow (``tr.first_overflow()``: step,
+    phase, producing module, tensor, kind), which ignores an attention mask's ``-inf``.
 
     Args:
-        records: the nantrace records DataFrame.
+        records: the nantrace records DataFrame, or a Trace (its ``records`` are drawn).
         value: ``"headroom"`` (bits) or ``"log2_absmax"``.
         phase: one of :data:`PHASES`, a sequence of them, or None for all phases.
         dtype_limit: dtype whose limits are used, a :class:`torch.dtype` or a name (``"float16"``).
@@ -769,20 +956,22 @@ def heatmap(
 
     Raises:
         ImportError: matplotlib is not installed.
-        TypeError: an argument has the wrong type (``records``, ``phase``, ``dtype_limit``,
-            ``max_modules``, ``ax``); the message names it.
+        TypeError: an argument has the wrong type (``records`` neither a DataFrame nor a Trace,
+            ``phase``, ``dtype_limit``, ``max_modules``, ``ax``); the message names it.
         ValueError: an argument has a bad value, ``records`` lacks a column or has no rows in ``phase``.
     """
     kind = _check_value(value)
     limits = _limits(dtype_limit)
     cap = _check_max_modules(max_modules)
     _parse_phase(phase)
-    frame = _check_frame(records, "records", _GRID_COLUMNS)
+    frame, parts = _frame_of(records, "records", _GRID_COLUMNS)
     _import_matplotlib()
     n_modules = frame["module"].nunique()
     rows = min(n_modules, cap) if cap is not None else n_modules
-    fig, ax = _figure_and_ax(ax, figsize=(12.0, float(np.clip(2.2 + 0.16 * rows, 4.0, 12.0))))
-    mesh, levels, extend = _draw_heatmap(fig, ax, frame, kind, phase, limits, cap)
+    height, fits = _heatmap_height(rows, 4.0, 12.0)
+    label_all = fits and ax is None  # a Figure of our own, sized for every label
+    fig, ax = _figure_and_ax(ax, figsize=(12.0, height))
+    mesh, levels, extend = _draw_heatmap(fig, ax, frame, kind, phase, limits, cap, parts, label_all)
     label = "headroom [bits]" if kind == "headroom" else "log2(max |x|)"
     _add_colorbar(fig, ax, mesh, levels, extend, label)
     return fig
@@ -945,7 +1134,7 @@ def _draw_scale_timeline(ax: Axes, steps: pd.DataFrame) -> None:
     )
 
 
-def scale_timeline(steps: pd.DataFrame, ax: Axes | None = None) -> Figure:
+def scale_timeline(steps: pd.DataFrame | TraceLike, ax: Axes | None = None) -> Figure:
     """Loss scale per step on a log2 axis, skipped steps as red x, and the loss on a twin axis.
 
     The loss scale is drawn as a step line (``steps["scale"]``, the scale used in that step's
@@ -955,7 +1144,8 @@ def scale_timeline(steps: pd.DataFrame, ax: Axes | None = None) -> Figure:
     (``scale`` NaN in every row) only the loss is drawn, with a note saying so.
 
     Args:
-        steps: the nantrace steps DataFrame (columns ``step, loss, scale, skipped`` are used).
+        steps: the nantrace steps DataFrame (columns ``step, loss, scale, skipped`` are used), or
+            a Trace (its ``steps`` are drawn).
         ax: axes to draw on; None makes a new Figure.
 
     Returns:
@@ -963,10 +1153,10 @@ def scale_timeline(steps: pd.DataFrame, ax: Axes | None = None) -> Figure:
 
     Raises:
         ImportError: matplotlib is not installed.
-        TypeError: ``steps`` is not a DataFrame, or ``ax`` is not an Axes.
+        TypeError: ``steps`` is neither a DataFrame nor a Trace, or ``ax`` is not an Axes.
         ValueError: ``steps`` lacks one of those columns or has no rows.
     """
-    frame = _check_frame(steps, "steps", _STEP_COLUMNS)
+    frame, _ = _frame_of(steps, "steps", _STEP_COLUMNS, which="steps")
     _import_matplotlib()
     fig, ax = _figure_and_ax(ax, figsize=(12.0, 3.6))
     _draw_scale_timeline(ax, frame)
@@ -1042,8 +1232,8 @@ def _check_step(step: object) -> int | None:
     return None if step is None else int(step)
 
 
-def _records_at(selected: pd.DataFrame, step: int, phase: object) -> pd.DataFrame:
-    """The rows of ``selected`` (records in ``phase``) at ``step``.
+def _records_at(selected: pd.DataFrame, step: int, phase: object, why: str = "") -> pd.DataFrame:
+    """The rows of ``selected`` (records in ``phase``) at ``step``; ``why`` says how it was chosen.
 
     Raises:
         ValueError: there are none; the message gives the range of steps present.
@@ -1052,10 +1242,32 @@ def _records_at(selected: pd.DataFrame, step: int, phase: object) -> pd.DataFram
     if at_step.empty:
         present = selected["step"]
         raise ValueError(
-            f"step={step!r} has no records in {_phase_label(phase)}; steps present: "
-            f"{int(present.min())}..{int(present.max())}"
+            f"step={step!r}{why} has no records in {_phase_label(phase)}; steps present: "
+            f"{int(present.min())}..{int(present.max())}; pass another step or phase"
         )
     return at_step
+
+
+def _ranges_step(
+    selected: pd.DataFrame, step: int | None, phase: object, ov: _OverflowLike | None, is_trace: bool
+) -> tuple[int, pd.DataFrame]:
+    """``(step, rows)``: the step :func:`ranges` shows and the records of ``selected`` at it.
+
+    An explicit ``step`` wins. Else, for a Trace, the locator's first overflow ``ov`` (the last step
+    when there is none); for records, the first step with a NaN/inf in ``selected``, else the last.
+
+    Raises:
+        ValueError: that step has no records in ``phase``.
+    """
+    if step is not None:
+        return step, _records_at(selected, step, phase)
+    if not is_trace:
+        step = _default_step(selected)
+        return step, _records_at(selected, step, phase)
+    if ov is None:
+        step = int(selected["step"].max())
+        return step, _records_at(selected, step, phase)
+    return ov.step, _records_at(selected, ov.step, phase, " (the first overflow's step)")
 
 
 @dataclass(frozen=True)
@@ -1196,7 +1408,7 @@ def _draw_ranges(fig: Figure, ax: Axes, table: pd.DataFrame, limits: _Limits) ->
 
 
 def ranges(
-    records: pd.DataFrame,
+    records: pd.DataFrame | TraceLike,
     step: int | None = None,
     *,
     phase: str | Sequence[str] | None = "forward",
@@ -1212,11 +1424,14 @@ def ranges(
     (reduced precision), ``2**-14 .. 65504`` is normal, and above 65504
     (``torch.finfo(torch.float16).max``) values overflow to inf. Modules where a NaN or +-inf was
     counted get a red bar, a red label and a red x at the right edge; all-zero modules get a grey
-    dot at the left edge.
+    dot at the left edge. Given a Trace, the title's second line names the locator's first
+    overflow (step, phase, module, tensor, kind), or says there is none.
 
     Args:
-        records: the nantrace records DataFrame.
-        step: the step to show; None picks the first step with a NaN/inf in ``phase``, else the last.
+        records: the nantrace records DataFrame, or a Trace (its ``records`` are drawn).
+        step: the step to show. None picks, for a Trace, the step of its first overflow
+            (``tr.first_overflow().step``, whatever ``phase``; the last step when there is none);
+            for records, the first step with a NaN/inf in ``phase``, else the last.
         phase: one of :data:`PHASES`, a sequence of them, or None for all phases.
         dtype_limit: dtype whose bands are drawn, a :class:`torch.dtype` or a name (``"float16"``).
         ax: axes to draw on; None makes a new Figure.
@@ -1226,32 +1441,31 @@ def ranges(
 
     Raises:
         ImportError: matplotlib is not installed.
-        TypeError: an argument has the wrong type (``records``, ``step``, ``phase``,
-            ``dtype_limit``, ``ax``); the message names it.
-        ValueError: ``step`` has no records in ``phase``, another argument has a bad value, or
-            ``records`` lacks a column or has no rows in ``phase``.
+        TypeError: an argument has the wrong type (``records`` neither a DataFrame nor a Trace,
+            ``step``, ``phase``, ``dtype_limit``, ``ax``); the message names it.
+        ValueError: ``step`` (given, or the first overflow's) has no records in ``phase``, another
+            argument has a bad value, or ``records`` lacks a column or has no rows in ``phase``.
     """
     limits = _limits(dtype_limit)
     step = _check_step(step)
     _parse_phase(phase)
-    frame = _check_frame(records, "records", _RANGE_COLUMNS)
+    frame, parts = _frame_of(records, "records", _RANGE_COLUMNS)
     selected = _select_phase(frame, phase)
-    if step is None:
-        step = _default_step(selected)
-    at_step = _records_at(selected, step, phase)
+    ov = parts.first_overflow() if parts is not None else None
+    step, at_step = _ranges_step(selected, step, phase, ov, parts is not None)
     _import_matplotlib()
     table = _module_ranges(at_step)
     n = len(table)
     fig, ax = _figure_and_ax(ax, figsize=(11.0, float(np.clip(1.8 + 0.2 * n, 3.5, 14.0))))
     _draw_ranges(fig, ax, table, limits)
     n_bad_modules = int(_RangeRows.of(table).bad.sum())
-    ax.set_title(
+    title = (
         f"Value range per module at step {step}, {_phase_label(phase)} "
-        f"({n} modules, {n_bad_modules} with NaN/inf)",
-        fontsize=10,
-        loc="left",
-        pad=18,
+        f"({n} modules, {n_bad_modules} with NaN/inf)"
     )
+    if parts is not None:
+        title += "\n" + (_NO_OVERFLOW if ov is None else _overflow_line(ov, frame))
+    ax.set_title(title, fontsize=10, loc="left", pad=18)
     return fig
 
 
@@ -1260,9 +1474,33 @@ def ranges(
 # --------------------------------------------------------------------------------------------
 
 
+def _overview_frames(records: object, steps: object) -> tuple[pd.DataFrame, pd.DataFrame, _TraceParts | None]:
+    """``(records, steps, parts)`` of :func:`overview`'s two ways of being called.
+
+    Raises:
+        TypeError: a Trace with ``steps`` as well, records without ``steps``, or a wrong type.
+        ValueError: a frame lacks a column or has no rows.
+    """
+    frame, parts = _frame_of(records, "records", _GRID_COLUMNS)
+    if parts is None:
+        if steps is None:
+            raise TypeError(
+                "overview(records, steps): steps is required with a records DataFrame; "
+                "pass tr.steps as well, or the Trace alone: overview(tr)"
+            )
+        return frame, _check_frame(steps, "steps", _STEP_COLUMNS), None
+    if steps is not None:
+        raise TypeError(
+            "overview(tr, steps): steps must not be given with a Trace, which holds its own; "
+            "call overview(tr), or overview(records, steps) with both DataFrames"
+        )
+    step_frame = _check_frame(parts.steps, f"the {type(parts.trace).__name__}'s steps", _STEP_COLUMNS)
+    return frame, step_frame, parts
+
+
 def overview(
-    records: pd.DataFrame,
-    steps: pd.DataFrame,
+    records: pd.DataFrame | TraceLike,
+    steps: pd.DataFrame | None = None,
     *,
     value: HeatmapValue = "headroom",
     phase: str | Sequence[str] | None = "forward",
@@ -1271,33 +1509,35 @@ def overview(
 ) -> Figure:
     """One Figure: :func:`heatmap` on top and :func:`scale_timeline` below, sharing the step axis.
 
+    Call it as ``overview(tr)`` with a Trace, or ``overview(records, steps)`` with its DataFrames.
     Units and arguments are those of :func:`heatmap` (headroom in bits against
-    ``torch.finfo(dtype_limit).max``, 65504 for float16) and :func:`scale_timeline`.
+    ``torch.finfo(dtype_limit).max``, 65504 for float16; every module row labelled) and
+    :func:`scale_timeline`.
 
     Returns:
         The combined Figure (e.g. for ``fig.savefig("nantrace.png")``).
 
     Raises:
         ImportError: matplotlib is not installed.
-        TypeError: ``records`` or ``steps`` is not a DataFrame, or another argument has the wrong
-            type; the message names it.
+        TypeError: ``records`` is neither a DataFrame nor a Trace, ``steps`` is missing with a
+            records DataFrame, given with a Trace, or not a DataFrame, or another argument has the
+            wrong type; the message names it.
         ValueError: as for :func:`heatmap` and :func:`scale_timeline`.
     """
     kind = _check_value(value)
     limits = _limits(dtype_limit)
     cap = _check_max_modules(max_modules)
     _parse_phase(phase)
-    frame = _check_frame(records, "records", _GRID_COLUMNS)
-    step_frame = _check_frame(steps, "steps", _STEP_COLUMNS)
+    frame, step_frame, parts = _overview_frames(records, steps)
     _import_matplotlib()
     from matplotlib.figure import Figure
 
     n_modules = frame["module"].nunique()
     rows = min(n_modules, cap) if cap is not None else n_modules
-    heat_h = float(np.clip(2.2 + 0.16 * rows, 3.5, 10.0))
+    heat_h, label_all = _heatmap_height(rows, 3.5, 10.0)
     fig = Figure(figsize=(13.0, heat_h + 3.2), layout="constrained")
     heat_ax, time_ax = fig.subplots(2, 1, sharex=True, height_ratios=[heat_h, 3.0])
-    mesh, levels, extend = _draw_heatmap(fig, heat_ax, frame, kind, phase, limits, cap)
+    mesh, levels, extend = _draw_heatmap(fig, heat_ax, frame, kind, phase, limits, cap, parts, label_all)
     label = "headroom [bits]" if kind == "headroom" else "log2(max |x|)"
     _add_colorbar(fig, heat_ax, mesh, levels, extend, label)
     _draw_scale_timeline(time_ax, step_frame)

@@ -252,16 +252,69 @@ def test_heatmap_max_modules_keeps_riskiest_in_order(records: pd.DataFrame) -> N
     assert "2 of 3: earliest NaN/inf, then least headroom" in ax.get_ylabel()
 
 
-def test_heatmap_thins_labels_for_many_modules() -> None:
+def _label_boxes(fig: Figure, ax: Any) -> list[Any]:
+    """Window extents (pixels) of the y tick labels of ``ax``, top row first, after drawing ``fig``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    return [t.get_window_extent(renderer) for t in ax.get_yticklabels()]
+
+
+def _module_names(n: int) -> list[str]:
+    """``n`` module names of a decoder such as Llama's: long, and alike except for a number."""
+    subs = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj"]
+    return ["model.embed_tokens"] + [f"model.layers.{i // 5}.{subs[i % 5]}" for i in range(n - 1)]
+
+
+@pytest.mark.parametrize("n", [64, 200])
+def test_heatmap_labels_every_module_row_readably(n: int) -> None:
+    names = _module_names(n)
     rows = [
-        {"step": s, "module": f"blocks.{m}.mlp", "absmax": 2.0 ** (m % 20)}
+        {"step": s, "module": m, "absmax": 2.0 ** (k % 15)} for s in range(6) for k, m in enumerate(names)
+    ]
+    fig = plot.heatmap(make_records(rows))
+    ax = fig.axes[0]
+    labels = ax.get_yticklabels()
+    assert [t.get_text() for t in labels] == names  # every row, by its full name
+    assert list(ax.get_yticks()) == list(range(n))  # each label on its own row
+    assert {t.get_fontsize() for t in labels} == {6.0}
+    # the figure grew to give every row 6 pt * 1.4 of height, beside 2.6 inches for title, axis, legend
+    assert fig.get_size_inches()[1] == pytest.approx(max(12.0, 2.6 + n * 6.0 * 1.4 / 72))
+    boxes = _label_boxes(fig, ax)
+    assert min(b.height for b in boxes) >= 6.0 * fig.dpi / 72  # drawn at 6 pt: not shrunk
+    overlapping = [names[i] for i in range(n - 1) if boxes[i].y0 < boxes[i + 1].y1]
+    assert overlapping == []  # top to bottom, each label ends above the next one starts
+
+
+def test_heatmap_label_fonts_and_height_for_few_modules(records: pd.DataFrame) -> None:
+    fig = plot.heatmap(records)
+    assert {t.get_fontsize() for t in fig.axes[0].get_yticklabels()} == {8.0}
+    assert fig.get_size_inches()[1] == 4.0  # 2.2 + 0.16 * 3 rows, at least 4 inches
+
+
+def test_heatmap_on_a_small_given_axes_thins_labels_keeping_the_first_nonfinite() -> None:
+    rows = [
+        {"step": s, "module": f"blocks.{m}.mlp", "absmax": 2.0 ** (m % 20), "n_nan": int(m == 77 and s == 2)}
         for s in range(30)
         for m in range(200)
     ]
-    fig = plot.heatmap(make_records(rows))
-    labels = fig.axes[0].get_yticklabels()
-    assert 10 <= len(labels) < 200
-    assert labels[0].get_text() == "blocks.0.mlp"
+    fig = Figure(figsize=(8.0, 4.0))
+    plot.heatmap(make_records(rows), ax=fig.add_subplot())
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert 10 <= len(labels) < 200  # the axes' size is the caller's: thinned to fit
+    assert labels[0] == "blocks.0.mlp"
+    assert "blocks.77.mlp" in labels
+
+
+def test_heatmap_height_stops_at_its_maximum_and_then_thins() -> None:
+    n = 2600  # 2.6 + 2600 * 6 * 1.4 / 72 = 305.9 inches > MAX_HEATMAP_HEIGHT_IN
+    rows = [{"step": 0, "module": f"m{k}", "absmax": 1.0} for k in range(n)]
+    fig = plot.heatmap(make_records(rows), max_modules=None)
+    assert plot.MAX_HEATMAP_HEIGHT_IN == 300.0
+    assert fig.get_size_inches()[1] == 300.0
+    assert 1000 < len(fig.axes[0].get_yticklabels()) < n
 
 
 def test_heatmap_draws_on_given_axes(records: pd.DataFrame) -> None:
@@ -459,7 +512,7 @@ def test_heatmap_rejects_bad_arguments(
 
 
 def test_records_checks(records: pd.DataFrame) -> None:
-    with pytest.raises(TypeError, match=r"records must be a pandas\.DataFrame, got list"):
+    with pytest.raises(TypeError, match=r"^records must be a pandas\.DataFrame or a Trace, got list$"):
         plot.heatmap_grid([1, 2])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"records is missing required column\(s\) \['absmax'\]"):
         plot.heatmap(records.drop(columns="absmax"))
@@ -472,7 +525,7 @@ def test_records_checks(records: pd.DataFrame) -> None:
 
 
 def test_steps_checks(records: pd.DataFrame) -> None:
-    with pytest.raises(TypeError, match=r"steps must be a pandas\.DataFrame, got dict"):
+    with pytest.raises(TypeError, match=r"^steps must be a pandas\.DataFrame or a Trace, got dict$"):
         plot.scale_timeline({"step": [0]})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"steps is missing required column\(s\) \['skipped'\]"):
         plot.scale_timeline(make_steps([1.0], [False]).drop(columns="skipped"))
@@ -505,7 +558,7 @@ def test_ranges_step_missing_in_phase(records: pd.DataFrame) -> None:
         plot.ranges(records, 2, phase="backward")
 
 
-def test_labels_are_thinned_but_name_the_first_nonfinite_module() -> None:
+def test_range_labels_are_thinned_but_name_the_first_nonfinite_module() -> None:
     rows = [
         {
             "step": s,
@@ -518,8 +571,7 @@ def test_labels_are_thinned_but_name_the_first_nonfinite_module() -> None:
     ]
     frame = make_records(rows)
     heat_labels = [t.get_text() for t in plot.heatmap(frame).axes[0].get_yticklabels()]
-    assert "blocks.77" in heat_labels
-    assert 10 <= len(heat_labels) < 200
+    assert heat_labels == [f"blocks.{m}" for m in range(200)]  # the heatmap names every row
     ax = plot.ranges(frame, 4).axes[0]
     ticks = ax.get_yticks()
     assert 10 <= len(ticks) < 200
