@@ -92,18 +92,41 @@ def _add_report_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
 
 
+_PLOT_KINDS = ("overview", "heatmap", "scale", "ranges")
+_PHASED_PLOTS = ("overview", "heatmap", "ranges")  # the --what that --phase applies to
+
+
 def _add_plot_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``nantrace plot`` to the subparsers ``sub``."""
-    pl = sub.add_parser("plot", help="draw a saved trace to a PNG")
+    from .plot import PHASES
+
+    pl = sub.add_parser(
+        "plot",
+        help="draw a saved trace to a PNG",
+        description="Draw a saved trace to a PNG: the headroom heatmap of every module per step (every module "
+        "row named), the loss-scale timeline, both (overview), or the value range of each module at one step.",
+    )
     pl.add_argument("path", type=Path, help="a file written by Trace.save")
     pl.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
     pl.add_argument(
         "--what",
-        choices=("overview", "heatmap", "scale", "ranges"),
+        choices=_PLOT_KINDS,
         default="overview",
         help="overview (default): headroom heatmap + loss-scale timeline; heatmap; scale; ranges (one step)",
     )
-    pl.add_argument("--step", type=int, default=None, help="step for --what ranges (default: first overflow)")
+    pl.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="the step for --what ranges only (default: the step of the trace's first overflow, else the last)",
+    )
+    pl.add_argument(
+        "--phase",
+        default=None,
+        metavar="PHASE",
+        help=f"phase(s) to draw for --what {', '.join(_PHASED_PLOTS)}: one of {','.join(PHASES)}, a "
+        "comma-separated list of them, or all (default: forward)",
+    )
 
 
 def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -170,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "report":
             rc = _report(args.path, args.tensorboard)
         elif args.command == "plot":
-            rc = _plot(args.path, args.output, args.what, args.step)
+            rc = _plot(args.path, args.output, args.what, args.step, args.phase)
         else:
             _parser().print_help()
             rc = EXIT_USAGE
@@ -242,24 +265,56 @@ def _report(path: Path, tensorboard: Path | None = None) -> int:
 
 
 # ------------------------------------------------------------------------------------------- plot
-def _figures(tr: Any, what: str, step: int | None) -> dict[str, Any]:
+def _figures(
+    tr: Any, what: str, step: int | None, phase: tuple[str, ...] | str | None = "default"
+) -> dict[str, Any]:
+    """``{name: Figure}`` of ``--what`` for the trace ``tr``; ``phase``: the phases to draw (None: all), or
+    ``"default"`` for the plot's own default (forward)."""
     from . import plot
 
+    kw: dict[str, Any] = {} if phase == "default" else {"phase": phase}
     if what == "heatmap":
-        return {"heatmap": plot.heatmap(tr.records)}
+        return {"heatmap": plot.heatmap(tr, **kw)}
     if what == "scale":
-        return {"scale": plot.scale_timeline(tr.steps)}
+        return {"scale": plot.scale_timeline(tr)}
     if what == "ranges":
-        return {"ranges": plot.ranges(tr.records, step)}
-    return {"overview": plot.overview(tr.records, tr.steps)}
+        return {"ranges": plot.ranges(tr, step, **kw)}
+    return {"overview": plot.overview(tr, **kw)}
 
 
-def _plot(path: Path, output: Path, what: str, step: int | None) -> int:
+def _plot_options(
+    what: str, step: int | None, phase: str | None
+) -> tuple[bool, tuple[str, ...] | str | None]:
+    """``(ok, phases)``: check that ``--step`` and ``--phase`` apply to ``--what``, and parse ``--phase``
+    (None: all; ``"default"`` when not given). ``ok`` is False (after saying why) for a usage error."""
+    from .plot import PHASES
+
+    if step is not None and what != "ranges":
+        _err(f"--step applies only to --what ranges (got --what {what}); drop --step or use --what ranges")
+        return False, None
+    if phase is None:
+        return True, "default"
+    if what not in _PHASED_PLOTS:
+        _err(f"--phase does not apply to --what {what}: the loss-scale timeline has no phases; drop --phase")
+        return False, None
+    if phase.strip() == "all":
+        return True, None
+    phases = tuple(p.strip() for p in phase.split(","))
+    if not all(p in PHASES for p in phases):
+        _err(f"--phase {phase!r}: choose one of {','.join(PHASES)}, a comma-separated list of them, or all")
+        return False, None
+    return True, phases[0] if len(phases) == 1 else phases  # one phase reads as phase='forward' in messages
+
+
+def _plot(path: Path, output: Path, what: str, step: int | None, phase: str | None = None) -> int:
+    ok, phases = _plot_options(what, step, phase)
+    if not ok:
+        return EXIT_USAGE
     tr = _load(path)
     if tr is None:
         return EXIT_USAGE
     try:
-        fig = next(iter(_figures(tr, what, step).values()))
+        fig = next(iter(_figures(tr, what, step, phases).values()))
     except ImportError as e:
         _err(str(e))
         return EXIT_MISSING_EXTRA

@@ -110,3 +110,114 @@ def test_report_into_a_closed_pipe_stops_quietly(tmp_path: Path) -> None:
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == cli.EXIT_BROKEN_PIPE
     assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+def _stepped(tmp_path: Path) -> Path:
+    """A saved trace of 3 steps (one per forward, no optimizer): x = 1, 1, 40000 into a Linear with weights 1,
+    so its output 2x overflows float16 first at step 2."""
+    lin = nn.Linear(2, 2, bias=False)
+    m = nn.Sequential(lin).half()
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+    with nantrace.trace(m) as tr:
+        for v in (1.0, 1.0, 40000.0):
+            m(torch.full((1, 2), v, dtype=torch.float16))
+    return tr.save(tmp_path / "stepped.nantrace")
+
+
+@pytest.mark.parametrize("what", ["overview", "heatmap", "scale"])
+def test_plot_step_applies_to_ranges_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], what: str
+) -> None:
+    png = tmp_path / "x.png"
+    assert cli.main(["plot", str(_stepped(tmp_path)), "-o", str(png), "--what", what, "--step", "1"]) == 2
+    assert cli.EXIT_USAGE == 2  # the exit code of argparse's own usage errors
+    assert capsys.readouterr().err == (
+        f"nantrace: error: --step applies only to --what ranges (got --what {what}); "
+        "drop --step or use --what ranges\n"
+    )
+    assert not png.exists()
+    with pytest.raises(SystemExit) as info:  # a usage error argparse finds exits with the same code
+        cli.main(["plot", str(png), "-o", str(png), "--what", "bars"])
+    assert info.value.code == cli.EXIT_USAGE
+
+
+def test_plot_phase_checks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, png = str(_stepped(tmp_path)), str(tmp_path / "x.png")
+    assert cli.main(["plot", path, "-o", png, "--what", "scale", "--phase", "forward"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == (
+        "nantrace: error: --phase does not apply to --what scale: the loss-scale timeline has no phases; "
+        "drop --phase\n"
+    )
+    assert cli.main(["plot", path, "-o", png, "--phase", "forward,fwd"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == (
+        "nantrace: error: --phase 'forward,fwd': choose one of data,forward,loss,backward,optimizer, "
+        "a comma-separated list of them, or all\n"
+    )
+    assert cli.main(["plot", path, "-o", png, "--what", "ranges", "--phase", "backward"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == (
+        "nantrace: error: records has no rows with phase='backward'; phases present: ['data', 'forward']\n"
+    )
+    assert not Path(png).exists()
+
+
+def test_plot_options_parse_the_phase() -> None:
+    assert cli._plot_options("ranges", 2, None) == (True, "default")
+    assert cli._plot_options("heatmap", None, "all") == (True, None)
+    assert cli._plot_options("overview", None, "backward") == (True, "backward")
+    assert cli._plot_options("ranges", None, "data, forward") == (True, ("data", "forward"))
+
+
+def test_plot_ranges_shows_the_first_overflow_step_and_the_chosen_phase(tmp_path: Path) -> None:
+    back = nantrace.load(_stepped(tmp_path))
+    (fig,) = cli._figures(back, "ranges", None).values()
+    assert fig.axes[0].get_title(loc="left") == (
+        "Value range per module at step 2, phase forward (2 modules, 2 with NaN/inf)\n"
+        "first overflow: step 2, forward, '0' output (inf)"
+    )
+    (fig,) = cli._figures(back, "ranges", 1, "data").values()
+    assert fig.axes[0].get_title(loc="left").split("\n")[0] == (
+        "Value range per module at step 1, phase data (1 modules, 0 with NaN/inf)"
+    )
+    (fig,) = cli._figures(back, "heatmap", None, None).values()
+    assert fig.axes[0].get_title(loc="left") == (
+        "Headroom to float16 max 65504: log2(65504 / max|x|) [bits], all phases\n"
+        "first overflow: step 2, forward, '0' output (inf)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "title"),
+    [
+        (["--what", "ranges"], "Value range per module at step 2, phase forward"),
+        (
+            ["--what", "ranges", "--step", "0", "--phase", "data"],
+            "Value range per module at step 0, phase data",
+        ),
+        (["--what", "heatmap", "--phase", "data,forward"], "[bits], phase data+forward"),
+        (["--phase", "all"], "[bits], all phases"),
+    ],
+)
+def test_plot_writes_what_the_options_ask_for(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    title: str,
+) -> None:
+    from matplotlib.figure import Figure
+
+    titles: list[str] = []
+    save = Figure.savefig
+
+    def record(fig: Figure, *a: object, **kw: object) -> None:
+        titles.append(fig.axes[0].get_title(loc="left"))
+        save(fig, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    png = tmp_path / "x.png"
+    assert cli.main(["plot", str(_stepped(tmp_path)), "-o", str(png), *args]) == cli.EXIT_OK
+    assert capsys.readouterr().out == f"wrote {png}\n"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (shown,) = titles
+    assert title in shown.split("\n")[0]
