@@ -46,28 +46,41 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``nantrace demo`` to the subparsers ``sub``."""
+    """Add ``nantrace demo`` to the subparsers ``sub``; its defaults and their help come from the demo's own
+    :class:`~nantrace.examples.chargpt.DemoConfig`, so the help says what the demo runs."""
+    from .examples.chargpt import DemoConfig
+
+    cfg = DemoConfig()
     d = sub.add_parser(
         "demo",
         help="train a small character-level GPT on the stdlib's source in fp16 and locate its overflow",
         description=(
             "Train a small GPT-style character model on the Python standard library's own source files "
             "(nothing is downloaded) under autocast with a GradScaler, traced by nantrace. The default "
-            "configuration genuinely overflows float16; --dtype bfloat16 runs the same thing in bf16. "
+            f"configuration ({cfg.n_layer} layers, d_model {cfg.d_model}, "
+            f"{'pre-LayerNorm blocks' if cfg.norm else 'no LayerNorm inside the blocks'}, "
+            f"{cfg.steps} steps, Adam warming up to lr {cfg.lr:g}) genuinely overflows float16; --dtype bfloat16 "
+            "runs the same thing in bf16. "
             "Prints the locator's report and diagnosis, the loss-scale history, and writes the trace and plots."
         ),
     )
-    d.add_argument("--steps", type=int, default=None, help="optimizer steps to run (default: 80)")
+    d.add_argument("--steps", type=int, default=None, help=f"optimizer steps to run (default: {cfg.steps})")
     d.add_argument(
-        "--lr", type=float, default=None, help="Adam learning rate (default: 1e-2, deliberately high)"
+        "--lr",
+        type=float,
+        default=None,
+        help=f"peak Adam learning rate, reached by a linear warmup over the first {cfg.warmup_steps} optimizer "
+        f"updates, steps the GradScaler skips not counted (default: {cfg.lr:g}, deliberately high)",
     )
     d.add_argument(
         "--dtype",
         choices=("float16", "bfloat16"),
-        default="float16",
-        help="autocast dtype (default: float16)",
+        default=cfg.dtype,
+        help=f"autocast dtype (default: {cfg.dtype})",
     )
-    d.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default: 0)")
+    d.add_argument(
+        "--seed", type=int, default=cfg.seed, help=f"seed for weights and batches (default: {cfg.seed})"
+    )
     d.add_argument(
         "--out",
         type=Path,

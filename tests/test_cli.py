@@ -221,3 +221,41 @@ def test_plot_writes_what_the_options_ask_for(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (shown,) = titles
     assert title in shown.split("\n")[0]
+
+
+def test_demo_help_states_the_demos_own_defaults(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nantrace.examples.chargpt import DemoConfig
+
+    cfg = DemoConfig()  # what `nantrace demo` runs when no option is given
+    monkeypatch.setenv("COLUMNS", "250")  # one line per option
+    with pytest.raises(SystemExit) as info:
+        cli.main(["demo", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    expected = [
+        f"  --steps STEPS         optimizer steps to run (default: {cfg.steps})",
+        f"  --lr LR               peak Adam learning rate, reached by a linear warmup over the first "
+        f"{cfg.warmup_steps} optimizer updates, steps the GradScaler skips not counted "
+        f"(default: {cfg.lr:g}, deliberately high)",
+        f"                        autocast dtype (default: {cfg.dtype})",
+        f"  --seed SEED           seed for weights and batches (default: {cfg.seed})",
+    ]
+    assert [line for line in lines if line in expected] == expected
+    description = " ".join(out.split())  # the description wraps: compare its words
+    assert (
+        f"The default configuration ({cfg.n_layer} layers, d_model {cfg.d_model}, no LayerNorm inside the blocks, "
+        f"{cfg.steps} steps, Adam warming up to lr {cfg.lr:g}) genuinely overflows float16" in description
+    )
+    assert not cfg.norm  # "no LayerNorm inside the blocks" is the config's norm=False
+
+
+def test_demo_option_defaults_are_the_configs() -> None:
+    from nantrace.examples.chargpt import DemoConfig
+
+    cfg = DemoConfig()
+    args = cli._parser().parse_args(["demo"])
+    assert (args.dtype, args.seed) == (cfg.dtype, cfg.seed)
+    assert (args.steps, args.lr) == (None, None)  # None: the demo keeps the config's steps and lr
