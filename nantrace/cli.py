@@ -131,7 +131,9 @@ def _add_plot_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--step",
         type=int,
         default=None,
-        help="the step for --what ranges only (default: the step of the trace's first overflow, else the last)",
+        help="the step for --what ranges only (default: the step of the trace's first overflow when it lies in "
+        "--phase; when it lies in another phase, the first step with a NaN/inf in --phase; the last step when "
+        "the trace has no overflow)",
     )
     pl.add_argument(
         "--phase",

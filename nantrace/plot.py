@@ -3,8 +3,9 @@
 Every figure takes a ``Trace`` (``nantrace.trace``'s result or ``nantrace.load``'s) or the DataFrames
 it holds (``tr.records``, ``tr.steps``). A Trace is recognised by duck typing (:class:`TraceLike`:
 ``.records`` and ``.steps`` DataFrames and ``first_overflow()``), so this module never imports the
-Trace class; with a Trace, the figures that name a step or an overflow use the locator's first
-overflow (``tr.first_overflow()``), which names the producer and ignores attention masks' ``-inf``.
+Trace class. With a Trace the titles also name the locator's first overflow (``tr.first_overflow()``:
+its producer, in any phase; an attention mask's ``-inf`` is not one), and :func:`ranges` starts at its
+step when it lies in the phase drawn.
 
 All figures are built with the object API (:class:`matplotlib.figure.Figure`), never with
 ``pyplot``'s global state, so they work headless (Agg) and in threads. matplotlib is imported only
@@ -797,7 +798,7 @@ def _label_heatmap_axes(fig: Figure, ax: Axes, rows: _HeatmapRows, label_all: bo
 def _overflow_line(ov: _OverflowLike, records: pd.DataFrame) -> str:
     """One line naming the locator's first overflow ``ov`` (and its rank, for a merged trace)."""
     where = f"the model's {ov.tensor}" if ov.phase == "data" else f"'{_module_label(ov.module)}' {ov.tensor}"
-    line = f"first overflow: step {ov.step}, {ov.phase}, {where} ({ov.kind})"
+    line = f"first overflow in the trace: step {ov.step}, {ov.phase}, {where} ({ov.kind})"
     if "rank" in records.columns and records["rank"].nunique() > 1:
         ranks = ", ".join(str(int(r)) for r in sorted(records["rank"].unique()))
         line += f", produced by rank {ov.rank} (ranks {ranks} merged)"
@@ -808,23 +809,27 @@ _NO_OVERFLOW = "no overflow: the locator found no NaN/inf produced in this trace
 
 
 def _nonfinite_note(records: pd.DataFrame, rows: _HeatmapRows, parts: _TraceParts | None) -> str:
-    """The heatmap title's line on where the first NaN/inf is ("" when there is nothing to say).
+    """The heatmap title's lines on where the first NaN/inf is ("" when there is nothing to say).
 
-    For records, the first (step, module) with a NaN/inf in the phase (and the ranks note); for a
-    Trace, the locator's first overflow, which names its producer and ignores an attention mask's
-    ``-inf`` (so magenta cells can remain where the locator found no overflow).
+    First the first (step, module) with a NaN/inf in the drawn phase (what the magenta shows; with
+    the ranks note for records of several ranks). For a Trace, then the locator's first overflow in
+    the whole trace, in any phase, which names its producer and ignores an attention mask's ``-inf``
+    (or that it found none, when magenta cells are drawn).
     """
-    if parts is None:
-        if rows.first_bad is None:
-            return ""
+    lines = []
+    if rows.first_bad is not None:
         step, modules = rows.first_bad
-        return f"\nfirst non-finite value at step {step} in {modules}{_ranks_note(records)}"
-    ov = parts.first_overflow()
-    if ov is not None:
-        return "\n" + _overflow_line(ov, records)
-    if rows.first_bad is None:
-        return ""
-    return f"\n{_NO_OVERFLOW} (magenta cells: values it does not count, e.g. an attention mask's -inf)"
+        ranks = _ranks_note(records) if parts is None else ""
+        lines.append(f"first non-finite value at step {step} in {modules}{ranks}")
+    if parts is not None:
+        ov = parts.first_overflow()
+        if ov is not None:
+            lines.append(_overflow_line(ov, records))
+        elif rows.first_bad is not None:
+            lines.append(
+                f"{_NO_OVERFLOW} (magenta cells: values it does not count, e.g. an attention mask's -inf)"
+            )
+    return "".join("\n" + line for line in lines)
 
 
 def _heatmap_title(value: str, limits: _Limits, phase: object, note: str) -> str:
@@ -938,9 +943,10 @@ def heatmap(
     up to :data:`MAX_HEATMAP_HEIGHT_IN` inches (~2500 rows); past that, and on an ``ax`` you pass
     (whose size is yours), the labels are thinned to fit, keeping the first NaN/inf module.
 
-    The title says where the first NaN/inf is: for records, the first step with one in ``phase``
-    and its modules; for a Trace, the locator's first overflow (``tr.first_overflow()``: step,
-    phase, producing module, tensor, kind), which ignores an attention mask's ``-inf``.
+    The title says where the first NaN/inf is: the first step with one in ``phase`` and its
+    modules; for a Trace also the locator's first overflow in the whole trace
+    (``tr.first_overflow()``: step, phase, producing module, tensor, kind), which ignores an
+    attention mask's ``-inf`` and may lie in a phase not drawn (a GradScaler's backoff in backward).
 
     Args:
         records: the nantrace records DataFrame, or a Trace (its ``records`` are drawn).
@@ -1253,21 +1259,21 @@ def _ranges_step(
 ) -> tuple[int, pd.DataFrame]:
     """``(step, rows)``: the step :func:`ranges` shows and the records of ``selected`` at it.
 
-    An explicit ``step`` wins. Else, for a Trace, the locator's first overflow ``ov`` (the last step
-    when there is none); for records, the first step with a NaN/inf in ``selected``, else the last.
+    An explicit ``step`` wins. Else, for a Trace, the step of the locator's first overflow ``ov``
+    when it is in ``phase`` (the last step when the trace has none); otherwise (records, or a
+    Trace whose first overflow is in another phase, e.g. a GradScaler's routine backoff in
+    backward) the first step with a NaN/inf in ``selected``, else the last.
 
     Raises:
         ValueError: that step has no records in ``phase``.
     """
     if step is not None:
         return step, _records_at(selected, step, phase)
-    if not is_trace:
-        step = _default_step(selected)
-        return step, _records_at(selected, step, phase)
-    if ov is None:
-        step = int(selected["step"].max())
-        return step, _records_at(selected, step, phase)
-    return ov.step, _records_at(selected, ov.step, phase, " (the first overflow's step)")
+    phases = _parse_phase(phase)
+    if is_trace and ov is not None and (phases is None or ov.phase in phases):
+        return ov.step, _records_at(selected, ov.step, phase, " (the first overflow's step)")
+    step = int(selected["step"].max()) if is_trace and ov is None else _default_step(selected)
+    return step, _records_at(selected, step, phase)
 
 
 @dataclass(frozen=True)
@@ -1425,13 +1431,15 @@ def ranges(
     (``torch.finfo(torch.float16).max``) values overflow to inf. Modules where a NaN or +-inf was
     counted get a red bar, a red label and a red x at the right edge; all-zero modules get a grey
     dot at the left edge. Given a Trace, the title's second line names the locator's first
-    overflow (step, phase, module, tensor, kind), or says there is none.
+    overflow in the trace (step, phase, module, tensor, kind; in any phase), or says there is none.
 
     Args:
         records: the nantrace records DataFrame, or a Trace (its ``records`` are drawn).
         step: the step to show. None picks, for a Trace, the step of its first overflow
-            (``tr.first_overflow().step``, whatever ``phase``; the last step when there is none);
-            for records, the first step with a NaN/inf in ``phase``, else the last.
+            (``tr.first_overflow().step``) when that overflow is in ``phase``, and the last step
+            when the trace has none; otherwise (records, or a first overflow in another phase,
+            such as a GradScaler's routine backoff in backward) the first step with a NaN/inf in
+            ``phase``, else the last.
         phase: one of :data:`PHASES`, a sequence of them, or None for all phases.
         dtype_limit: dtype whose bands are drawn, a :class:`torch.dtype` or a name (``"float16"``).
         ax: axes to draw on; None makes a new Figure.

@@ -173,7 +173,7 @@ def test_plot_ranges_shows_the_first_overflow_step_and_the_chosen_phase(tmp_path
     (fig,) = cli._figures(back, "ranges", None).values()
     assert fig.axes[0].get_title(loc="left") == (
         "Value range per module at step 2, phase forward (2 modules, 2 with NaN/inf)\n"
-        "first overflow: step 2, forward, '0' output (inf)"
+        "first overflow in the trace: step 2, forward, '0' output (inf)"
     )
     (fig,) = cli._figures(back, "ranges", 1, "data").values()
     assert fig.axes[0].get_title(loc="left").split("\n")[0] == (
@@ -182,7 +182,8 @@ def test_plot_ranges_shows_the_first_overflow_step_and_the_chosen_phase(tmp_path
     (fig,) = cli._figures(back, "heatmap", None, None).values()
     assert fig.axes[0].get_title(loc="left") == (
         "Headroom to float16 max 65504: log2(65504 / max|x|) [bits], all phases\n"
-        "first overflow: step 2, forward, '0' output (inf)"
+        "first non-finite value at step 2 in '<root>', '0'\n"
+        "first overflow in the trace: step 2, forward, '0' output (inf)"
     )
 
 

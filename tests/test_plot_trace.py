@@ -75,6 +75,11 @@ def _second_line(title: str) -> str:
     return title.split("\n")[1]
 
 
+def _notes(title: str) -> list[str]:
+    """The lines of a title after its first: where the first NaN/inf and the first overflow are."""
+    return title.split("\n")[1:]
+
+
 # --------------------------------------------------------------------------------------------
 # ranges: which step and phase it shows
 # --------------------------------------------------------------------------------------------
@@ -84,7 +89,7 @@ def test_ranges_of_a_trace_shows_the_first_overflow_step(masked: Any) -> None:
     ax = plot.ranges(masked).axes[0]
     assert ax.get_title(loc="left") == (
         "Value range per module at step 2, phase forward (4 modules, 3 with NaN/inf)\n"
-        "first overflow: step 2, forward, 'out' output (inf)"
+        "first overflow in the trace: step 2, forward, 'out' output (inf)"
     )
     labels = ax.get_yticklabels()
     assert [t.get_text() for t in labels] == ["lin (Linear)", "mask (Masked)", "out (Linear)", "<root> (Net)"]
@@ -104,13 +109,47 @@ def test_ranges_of_a_trace_at_a_given_step_and_phase(masked: Any) -> None:
     ax = plot.ranges(masked, 1).axes[0]
     assert ax.get_title(loc="left") == (
         "Value range per module at step 1, phase forward (4 modules, 1 with NaN/inf)\n"
-        "first overflow: step 2, forward, 'out' output (inf)"
+        "first overflow in the trace: step 2, forward, 'out' output (inf)"
     )
+    # the first overflow (forward) is not in phase data: the first step with a NaN/inf there, the mask's -inf
     ax = plot.ranges(masked, phase="data").axes[0]
     assert ax.get_title(loc="left").split("\n")[0] == (
-        "Value range per module at step 2, phase data (1 modules, 1 with NaN/inf)"
+        "Value range per module at step 0, phase data (1 modules, 1 with NaN/inf)"
     )
     assert [t.get_text() for t in ax.get_yticklabels()] == ["<root> (Net)"]
+
+
+def test_ranges_of_a_trace_whose_first_overflow_is_in_another_phase() -> None:
+    """A GradScaler's backoff (scaled gradients overflow in backward) comes first; the forward overflow later."""
+    lin = nn.Linear(2, 2, bias=False)
+    model = nn.Sequential(lin)
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+    with nantrace.trace(model, scaler=scaler, optimizer=opt) as tr:
+        # step 0: weight.grad = 4 * 2**127 = inf (skipped, scale halves); step 2: 2e38 + 2e38 = inf in forward
+        for v in (4.0, 1.0, 2e38):
+            opt.zero_grad()
+            scaler.scale(model(torch.full((1, 2), v)).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+    overflow = "first overflow in the trace: step 0, backward, '0' weight.grad (inf)"
+    forward = plot.ranges(tr).axes[0].get_title(loc="left")
+    assert (
+        forward == f"Value range per module at step 2, phase forward (2 modules, 2 with NaN/inf)\n{overflow}"
+    )
+    backward = plot.ranges(tr, phase="backward").axes[0].get_title(loc="left")
+    assert (
+        backward
+        == f"Value range per module at step 0, phase backward (1 modules, 1 with NaN/inf)\n{overflow}"
+    )
+    every = plot.ranges(tr, phase=None).axes[0].get_title(loc="left")
+    assert every.startswith("Value range per module at step 0, all phases")
+    assert _notes(plot.heatmap(tr).axes[0].get_title(loc="left")) == [
+        "first non-finite value at step 2 in '0', '<root>'",
+        overflow,
+    ]
 
 
 def test_ranges_of_a_trace_without_overflow_shows_the_last_step(clean: Any) -> None:
@@ -128,15 +167,18 @@ def test_ranges_of_a_trace_without_overflow_shows_the_last_step(clean: Any) -> N
 
 def test_heatmap_of_a_trace_names_the_locators_first_overflow(masked: Any) -> None:
     ax = plot.heatmap(masked).axes[0]
-    assert _second_line(ax.get_title(loc="left")) == "first overflow: step 2, forward, 'out' output (inf)"
+    assert _notes(ax.get_title(loc="left")) == [
+        "first non-finite value at step 0 in 'mask'",  # what the magenta shows: the mask's -inf
+        "first overflow in the trace: step 2, forward, 'out' output (inf)",
+    ]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["lin", "mask", "out", "<root>"]
     from_records = plot.heatmap(masked.records).axes[0]
-    assert _second_line(from_records.get_title(loc="left")) == "first non-finite value at step 0 in 'mask'"
+    assert _notes(from_records.get_title(loc="left")) == ["first non-finite value at step 0 in 'mask'"]
 
 
 def test_heatmap_of_a_trace_without_overflow_says_so(clean: Any) -> None:
     title = plot.heatmap(clean).axes[0].get_title(loc="left")
-    assert _second_line(title) == (
+    assert _notes(title)[1] == (
         "no overflow: the locator found no NaN/inf produced in this trace "
         "(magenta cells: values it does not count, e.g. an attention mask's -inf)"
     )
@@ -161,8 +203,8 @@ def test_scale_timeline_and_overview_of_a_trace(masked: Any) -> None:
     assert _by_gid(fig.axes[0], "loss").get_xdata().tolist() == [0.0, 1.0, 2.0, 3.0]
     fig = plot.overview(masked)
     assert (
-        _second_line(fig.axes[0].get_title(loc="left"))
-        == "first overflow: step 2, forward, 'out' output (inf)"
+        _notes(fig.axes[0].get_title(loc="left"))[1]
+        == "first overflow in the trace: step 2, forward, 'out' output (inf)"
     )
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["lin", "mask", "out", "<root>"]
 
@@ -207,13 +249,13 @@ def test_any_object_with_records_steps_and_first_overflow_is_a_trace(masked: Any
     ax = plot.ranges(fake).axes[0]
     assert ax.get_title(loc="left") == (
         "Value range per module at step 3, phase forward (4 modules, 3 with NaN/inf)\n"
-        "first overflow: step 3, forward, 'mask' output (nan)"
+        "first overflow in the trace: step 3, forward, 'mask' output (nan)"
     )
     fake = FakeTrace(
         masked.records, masked.steps, _overflow(step=0, phase="data", module="", tensor="input[0]")
     )
-    assert _second_line(plot.heatmap(fake).axes[0].get_title(loc="left")) == (
-        "first overflow: step 0, data, the model's input[0] (nan)"
+    assert _notes(plot.heatmap(fake).axes[0].get_title(loc="left"))[1] == (
+        "first overflow in the trace: step 0, data, the model's input[0] (nan)"
     )
 
 
@@ -221,7 +263,7 @@ def test_a_merged_trace_names_the_rank_that_produced_the_overflow(masked: Any) -
     records = pd.concat([masked.records.assign(rank=0), masked.records.assign(rank=1)], ignore_index=True)
     fake = FakeTrace(records, masked.steps, _overflow(step=2, module="out", kind="inf", rank=1))
     assert _second_line(plot.ranges(fake).axes[0].get_title(loc="left")) == (
-        "first overflow: step 2, forward, 'out' output (inf), produced by rank 1 (ranks 0, 1 merged)"
+        "first overflow in the trace: step 2, forward, 'out' output (inf), produced by rank 1 (ranks 0, 1 merged)"
     )
 
 
@@ -267,7 +309,7 @@ def test_a_trace_with_empty_frames_says_whose_frame(masked: Any) -> None:
 
 def test_overview_takes_a_trace_or_both_frames(masked: Any) -> None:
     fig = plot.overview(masked.records, masked.steps)
-    assert _second_line(fig.axes[0].get_title(loc="left")) == "first non-finite value at step 0 in 'mask'"
+    assert _notes(fig.axes[0].get_title(loc="left")) == ["first non-finite value at step 0 in 'mask'"]
     with pytest.raises(TypeError) as info:
         plot.overview(masked, masked.steps)
     assert str(info.value) == (
