@@ -467,9 +467,8 @@ def _demo(args: argparse.Namespace) -> int:
         ovs = tr.overflows()
         print(f"\nsteps with a non-finite value ({len(ovs)}), by first producer:")
         print("\n".join(overflow_runs(ovs)))
-    diag = str(tr.diagnose())
-    if diag:
-        print(f"\n{diag}")
+    diagnosis = tr.diagnose()
+    print(f"\n{diagnosis}")
     print()
     for line in summary_lines(tr):
         print(line)
@@ -483,10 +482,10 @@ def _demo(args: argparse.Namespace) -> int:
             png = out / f"{name}.png"
             fig.savefig(png, dpi=110, bbox_inches="tight")
             written.append(png)
-        if ov is not None:
-            ovs = tr.overflows()
-            fault_step = int(ovs["step"].iloc[-1]) if len(ovs) else ov.step  # the latest, persistent fault
-            for name, fig in _figures(tr, "ranges", fault_step).items():
+        fault = diagnosis.overflow  # the diagnosed event (not the first scaler backoff)
+        if fault is not None:
+            phase: Any = (fault.phase,) if fault.phase in ("data", "forward", "backward") else "default"
+            for name, fig in _figures(tr, "ranges", fault.step, phase).items():
                 png = out / f"{name}.png"
                 fig.savefig(png, dpi=110, bbox_inches="tight")
                 written.append(png)

@@ -260,3 +260,23 @@ def test_demo_option_defaults_are_the_configs() -> None:
     args = cli._parser().parse_args(["demo"])
     assert (args.dtype, args.seed) == (cfg.dtype, cfg.seed)
     assert (args.steps, args.lr) == (None, None)  # None: the demo keeps the config's steps and lr
+
+
+def test_demo_draws_the_ranges_of_the_diagnosed_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    drawn: list[tuple[str, object, object]] = []
+    real = cli._figures
+
+    def spy(tr: object, what: str, step: object, phase: object = "default") -> dict[str, object]:
+        drawn.append((what, step, phase))
+        return real(tr, what, step, phase)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cli, "_figures", spy)
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--steps", "3", "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    d = nantrace.load(out / "trace.nantrace").diagnose()
+    assert d.overflow is not None
+    assert drawn == [("overview", None, "default"), ("ranges", d.overflow.step, (d.overflow.phase,))]
+    assert (out / "ranges.png").exists()
