@@ -280,3 +280,29 @@ def test_demo_draws_the_ranges_of_the_diagnosed_step(
     assert d.overflow is not None
     assert drawn == [("overview", None, "default"), ("ranges", d.overflow.step, (d.overflow.phase,))]
     assert (out / "ranges.png").exists()
+
+
+def test_the_bfloat16_demo_runs_without_loss_scaling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nantrace.examples.chargpt import DemoConfig, build
+
+    assert build(DemoConfig(dtype="float16", steps=1))[2].is_enabled()
+    assert not build(DemoConfig(dtype="bfloat16", steps=1))[2].is_enabled()
+    out = tmp_path / "bf16"
+    argv = [
+        "demo",
+        "--dtype",
+        "bfloat16",
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--device",
+        "cpu",
+    ]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    steps = nantrace.load(out / "trace.nantrace").steps
+    assert steps["scale"].isna().all() and steps["skipped"].isna().all()  # no loss scale, no skipped steps

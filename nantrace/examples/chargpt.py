@@ -390,11 +390,10 @@ def build(
     seeded with the same value, so two runs that differ only in ``dtype`` see identical initial weights and
     identical batches.
 
-    The :class:`~torch.amp.GradScaler` is enabled for both dtypes. For float16 it is required (small
-    gradients would underflow without it). For bfloat16 it is not needed, but it is harmless: bfloat16
-    gradients practically never overflow, so the scaler never skips a step and only multiplies and divides
-    by a power of two (exact). Keeping it enabled makes the two runs execute the same code path and lets a
-    trace record a comparable scaler state for both.
+    The :class:`~torch.amp.GradScaler` is enabled for float16, where it is required (small gradients would
+    underflow without it), and disabled for bfloat16, which has float32's exponent range and needs no loss
+    scaling: a disabled scaler's ``scale``/``step``/``update`` pass the loss and the step through unchanged, so
+    both dtypes run the same :func:`train_step`.
 
     The optimizer is :class:`torch.optim.Adam` with a linear learning-rate warmup (:func:`warmup_lr`)
     installed as an optimizer step pre-hook: just before each real update the hook sets the group's ``lr``
@@ -428,7 +427,9 @@ def build(
         updates += 1
 
     optimizer.register_step_pre_hook(apply_warmup)
-    scaler = torch.amp.GradScaler(device.type, init_scale=config.init_scale)
+    scaler = torch.amp.GradScaler(
+        device.type, init_scale=config.init_scale, enabled=config.dtype == "float16"
+    )
     generator = torch.Generator().manual_seed(config.seed)
     return model, optimizer, scaler, batches(ids, config.batch_size, config.block_size, generator)
 
