@@ -230,9 +230,18 @@ class Trace:
         """One row per step that saw a non-finite value, with that step's first producer (``Overflow`` fields
         plus ``message``). Scaler backoffs show as a few isolated steps; a persistent fault as a run of them.
 
-        Under torch.distributed the producer is the cross-rank one (ordering rule in ``nantrace._dist``);
+        Under torch.distributed the producer is the cross-rank one (ordering rule in ``nantrace._locate``);
         ``per_rank=True`` gives one row per (step, rank) instead: each rank's own first non-finite value, with
-        ``propagated=True`` where that rank only received it through the gradient reduction."""
+        ``propagated=True`` where that rank only received it through the gradient reduction.
+
+        Raises:
+            ValueError: ``kind`` is not None, ``"inf"`` or ``"nan"``.
+            TypeError: ``per_rank`` is not a bool.
+        """
+        if not isinstance(per_rank, bool):
+            raise TypeError(
+                f"per_rank must be True or False; got {type(per_rank).__name__}: {per_rank!r:.80}"
+            )
         return _explain.overflows(self._view(), kind, per_rank=per_rank)
 
     def diagnose(self) -> Diagnosis:

@@ -336,6 +336,9 @@ def _plot(path: Path, output: Path, what: str, step: int | None, phase: str | No
     except (ValueError, TypeError) as e:
         _err(str(e))
         return EXIT_USAGE
+    if output.is_dir():
+        _err(f"-o {str(output)!r} is a directory; give a file name such as {str(output / 'overview.png')!r}")
+        return EXIT_USAGE
     if not output.parent.is_dir():
         _err(f"output directory {str(output.parent)!r} does not exist")
         return EXIT_USAGE

@@ -306,3 +306,13 @@ def test_the_bfloat16_demo_runs_without_loss_scaling(
     capsys.readouterr()
     steps = nantrace.load(out / "trace.nantrace").steps
     assert steps["scale"].isna().all() and steps["skipped"].isna().all()  # no loss scale, no skipped steps
+
+
+def test_plot_output_that_is_a_directory_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved = _saved(tmp_path, True)
+    assert cli.main(["plot", str(saved), "-o", str(tmp_path), "--what", "scale"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"-o '{tmp_path}' is a directory; give a file name such as '{tmp_path / 'overview.png'}'" in err
+    assert not Path(f"{tmp_path}.png").exists()

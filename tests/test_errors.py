@@ -262,3 +262,10 @@ def test_reentering_an_active_trace_is_refused_and_it_keeps_recording() -> None:
         m(torch.ones(1, 2))
     assert len(tr.steps) == 2
     assert hooks(m) == hooks(model())
+
+
+def test_overflows_per_rank_must_be_a_bool() -> None:
+    m = model()
+    with trace(m) as tr:
+        m(torch.ones(1, 2))
+    check(TypeError, lambda: tr.overflows(per_rank="x"), names="per_rank", hints=("True or False",))
