@@ -37,7 +37,7 @@ finite. Every other event is a *fault*, classified on the spot:
 * ``backward_overflow``: phase ``backward``, kind inf, not absorbed by a GradScaler (no scaler, or not skipped).
 * ``optimizer``: phase ``optimizer`` (finite gradients, non-finite parameters after ``optimizer.step()``).
 
-Under torch.distributed (see ``nantrace._dist``) an event is first checked for where it came from, before the
+Under torch.distributed (see ``nantrace._locate``) an event is first checked for where it came from, before the
 rules above. One rank's trace (a part, or ``Trace.rank_view(r)``) holds an event with ``propagated=True`` when
 the rank's own values were finite and the value arrived through the gradient reduction: ``received``, since this
 rank's rows cannot say what another rank did (the merged folder names the producer). In a merged trace the same

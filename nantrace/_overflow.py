@@ -29,7 +29,7 @@ class Overflow:
         dtype: dtype name of that tensor, e.g. ``"float16"`` (compares equal to ``torch.float16`` too).
         message: one or two sentences explaining it, with the numbers that matter; ``str(overflow)``.
         rank: the ``torch.distributed`` rank whose trace holds it (0 without a process group); in a merged trace
-            of several ranks, the rank that produced it (ordering rule: ``nantrace._dist``).
+            of several ranks, the rank that produced it (ordering rule: ``nantrace._locate``).
         propagated: True when this rank did not produce the value but only received it through the gradient
             reduction (it is only in ``reduced`` rows: DDP's all-reduce, FSDP's reduce-scatter).
     """

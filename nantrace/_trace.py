@@ -420,7 +420,7 @@ def trace(
     Under an initialised ``torch.distributed`` process group each rank records its own trace (``rank`` in
     ``records``, ``steps`` and ``Overflow``), with ``world_size > 1`` also the parameter gradients after the
     cross-rank reduction (``reduced=True`` rows); ``path=`` and ``Trace.save`` then write this rank's part into
-    a folder at that path. See ``nantrace._dist`` for the cross-rank ordering rule. With ``world_size > 1``
+    a folder at that path. See ``nantrace._locate`` for the cross-rank ordering rule. With ``world_size > 1``
     creating the trace is a collective: rank 0 makes a run id (a uuid) and broadcasts it
     (``torch.distributed.broadcast_object_list``), so every rank must call ``trace`` (as with the model itself);
     each part's header keeps it, and ``nantrace.load`` of the folder merges the parts of the newest run only.
