@@ -14,6 +14,7 @@ registered on a tensor before an in-place op fires with the gradient of the valu
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -124,6 +125,7 @@ class Recorder:
         self.tensor_handles: list[RemovableHandle] = []
         self.has_rows = False
         self.last_kinds: frozenset[str] | None = frozenset()
+        self.dropped_records = 0  # records dropped because a statistic ran out of memory
         self._dtype_codes: dict[torch.dtype, int] = {}
         self._shape_codes: dict[torch.Size, int] = {}
 
@@ -167,10 +169,14 @@ class Recorder:
             t = t.to_local()
         if not describable(t):
             return
-        if self.light and not self.sync_free and t.device.type == "cpu" and is_clean_host(t):
-            return
         store = self.store
-        stats, event = self.stat(t)
+        try:
+            if self.light and not self.sync_free and t.device.type == "cpu" and is_clean_host(t):
+                return
+            stats, event = self.stat(t)
+        except (torch.OutOfMemoryError, MemoryError):
+            self._dropped(t)
+            return
         self.seq += 1
         meta = (
             self.step,
@@ -193,6 +199,20 @@ class Recorder:
         store.add(meta, stats)
         self.has_rows = True
         self.last_kinds = kinds_of_stats(stats)
+
+    def _dropped(self, t: torch.Tensor) -> None:
+        """A statistic ran out of memory: that one record is dropped (never an error in the user's step), with
+        one warning per trace."""
+        self.dropped_records += 1
+        if self.dropped_records == 1:
+            warnings.warn(
+                f"nantrace: out of memory while computing the statistics of a {tuple(t.shape)} "
+                f"{str(t.dtype).replace('torch.', '')} tensor on {t.device}; that record is dropped (and any "
+                "later one that runs out of memory, without another warning). Free memory or record fewer "
+                "phases (trace(phases=...)) to keep every record.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _dtype_code(self, dtype: torch.dtype) -> int:
         code = self._dtype_codes.get(dtype)

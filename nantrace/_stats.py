@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_leaves
 from ._schema import N_STATS, STAT_NAMES
 
 __all__ = [
+    "CHUNK_ELEMENTS",
     "N_STATS",
     "STAT_NAMES",
     "describable",
@@ -75,8 +76,47 @@ def _work_view(t: torch.Tensor) -> torch.Tensor:
     return x
 
 
+#: Elements reduced at once. Larger tensors are reduced chunk by chunk, so the temporaries of a statistic (bool
+#: masks, ``where`` copies, ``|x|``) stay a few chunk sizes (~8 MiB) instead of several times the tensor.
+CHUNK_ELEMENTS = 1 << 20
+
+
+def _chunks(x: torch.Tensor) -> list[torch.Tensor]:
+    """Views of ``x`` with about :data:`CHUNK_ELEMENTS` elements each that together cover it once.
+
+    A contiguous tensor is split flat; a non-contiguous one along dim 0 (a view, never a copy), so a chunk is
+    at most one dim-0 slice when a slice is larger than a chunk."""
+    n = x.numel()
+    if n <= CHUNK_ELEMENTS:
+        return [x]
+    if x.is_contiguous():
+        return list(x.view(-1).split(CHUNK_ELEMENTS))
+    rows = max(1, CHUNK_ELEMENTS // max(1, n // x.shape[0]))
+    return list(x.split(rows, dim=0))
+
+
+def _partial(x: torch.Tensor) -> torch.Tensor:
+    """Device-side partial statistics of one chunk: float64 ``[finite min, finite max, finite non-zero absmin,
+    n_finite, n_nan, n_posinf, n_neginf, n_zero]``, +inf/-inf for a min/max over no value. They combine across
+    chunks exactly: min, max, min, then sums."""
+    finite = torch.isfinite(x)
+    inf = torch.full((), _INF, dtype=x.dtype, device=x.device)
+    fmin = torch.where(finite, x, inf).amin()
+    fmax = torch.where(finite, x, -inf).amax()
+    ax = x.abs()
+    absmin = torch.where(finite & (ax != 0), ax, inf).amin()
+    del ax
+    counts = torch.stack(
+        [finite.sum(), torch.isnan(x).sum(), (x == inf).sum(), (x == -inf).sum(), (x == 0).sum()]
+    )
+    return torch.cat([torch.stack([fmin, fmax, absmin]).double(), counts.double()])
+
+
 def stats_device(t: torch.Tensor) -> torch.Tensor:
     """Statistics of ``t`` as a float64 tensor of shape ``(8,)`` on ``t.device``, with no host synchronisation.
+
+    A tensor of more than :data:`CHUNK_ELEMENTS` elements is reduced chunk by chunk (:func:`_chunks`; the
+    number of chunks follows from the shape, never from values), so the temporaries stay a few chunk sizes.
 
     Args:
         t: a tensor for which :func:`describable` is true; any shape; float16, bfloat16, float32, float64 or a
@@ -86,26 +126,20 @@ def stats_device(t: torch.Tensor) -> torch.Tensor:
         ``torch.float64`` tensor ``[min, max, absmax, absmin, n_nan, n_posinf, n_neginf, n_zero]`` (the counts
         are exact integers up to 2**53 elements).
     """
-    x = _work_view(t)
-    finite = torch.isfinite(x)
-    inf = torch.full((), _INF, dtype=x.dtype, device=x.device)
-    fmin = torch.where(finite, x, inf).amin()
-    fmax = torch.where(finite, x, -inf).amax()
-    ax = x.abs()
-    absmin = torch.where(finite & (ax != 0), ax, inf).amin()
-    n_finite = finite.sum()
-    n_nan = torch.isnan(x).sum()
-    n_posinf = (x == inf).sum()
-    n_neginf = (x == -inf).sum()
-    n_zero = (x == 0).sum()
-    nan64 = torch.full((), _NAN, dtype=torch.float64, device=x.device)
-    no_finite = n_finite == 0
-    fmin64 = torch.where(no_finite, nan64, fmin.double())
-    fmax64 = torch.where(no_finite, nan64, fmax.double())
+    raw = t.detach()
+    parts = [_partial(_work_view(c)) for c in _chunks(raw)]
+    if len(parts) == 1:
+        p = parts[0]
+    else:
+        m = torch.stack(parts)
+        p = torch.cat([torch.stack([m[:, 0].amin(), m[:, 1].amax(), m[:, 2].amin()]), m[:, 3:].sum(0)])
+    nan64 = torch.full((), _NAN, dtype=torch.float64, device=p.device)
+    no_finite = p[3] == 0
+    fmin64 = torch.where(no_finite, nan64, p[0])
+    fmax64 = torch.where(no_finite, nan64, p[1])
     absmax64 = torch.maximum(fmin64.abs(), fmax64.abs())
-    absmin64 = torch.where(torch.isinf(absmin), nan64, absmin.double())
-    counts = torch.stack([n_nan, n_posinf, n_neginf, n_zero]).double()
-    return torch.cat([torch.stack([fmin64, fmax64, absmax64, absmin64]), counts])
+    absmin64 = torch.where(torch.isinf(p[2]), nan64, p[2])
+    return torch.cat([torch.stack([fmin64, fmax64, absmax64, absmin64]), p[4:]])
 
 
 def _finite(v: float) -> bool:
@@ -120,6 +154,8 @@ def stats_host(t: torch.Tensor) -> tuple[float, ...]:
     with no zero needs nothing more; otherwise one ``|x|`` pass read as unsigned integers gives the zero count
     and the smallest non-zero ``|x|`` (:func:`_zeros_and_absmin`).
     """
+    if t.element_size() == 1 and t.numel() > CHUNK_ELEMENTS:  # float8: widen chunk by chunk, not all at once
+        return tuple(stats_device(t).tolist())
     x = _work_view(t)
     lo_t, hi_t = torch.aminmax(x)
     lo, hi = float(lo_t), float(hi_t)
@@ -128,13 +164,20 @@ def stats_host(t: torch.Tensor) -> tuple[float, ...]:
     absmax = max(abs(lo), abs(hi))
     if lo > 0 or hi < 0:  # one sign, no zeros
         return (lo, hi, absmax, lo if lo > 0 else -hi, 0.0, 0.0, 0.0, 0.0)
-    a = torch.abs(x)
-    if lo < 0 < hi:  # mixed signs: zeros are rare outside ReLU/dropout outputs, so look for them first
-        smallest = float(a.amin())
-        if smallest > 0:
-            return (lo, hi, absmax, smallest, 0.0, 0.0, 0.0, 0.0)
-    n_zero, absmin = _zeros_and_absmin(a)
-    return (lo, hi, absmax, absmin, 0.0, 0.0, 0.0, float(n_zero))
+    n_zero, absmin = 0, _INF
+    for c in _chunks(x):  # |x| one chunk at a time: the temporary stays a chunk, not the tensor
+        a = torch.abs(c)
+        if lo < 0 < hi:  # mixed signs: zeros are rare outside ReLU/dropout outputs, so look for them first
+            smallest = float(a.amin())
+            if smallest > 0:
+                absmin = min(absmin, smallest)
+                continue
+        z, m = _zeros_and_absmin(a)
+        del a
+        n_zero += z
+        if not math.isnan(m):
+            absmin = min(absmin, m)
+    return (lo, hi, absmax, _NAN if absmin == _INF else absmin, 0.0, 0.0, 0.0, float(n_zero))
 
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
