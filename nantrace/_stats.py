@@ -95,20 +95,30 @@ def _chunks(x: torch.Tensor) -> list[torch.Tensor]:
     return list(x.split(rows, dim=0))
 
 
-def _partial(x: torch.Tensor) -> torch.Tensor:
+def _partial(
+    x: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
     """Device-side partial statistics of one chunk: float64 ``[finite min, finite max, finite non-zero absmin,
     n_finite, n_nan, n_posinf, n_neginf, n_zero]``, +inf/-inf for a min/max over no value. They combine across
-    chunks exactly: min, max, min, then sums."""
-    finite = torch.isfinite(x)
+    chunks exactly: min, max, min, then sums.
+
+    Every elementwise result is written into ``scratch`` (two buffers of ``x``'s dtype, two bool buffers, at
+    least ``x.numel()`` elements each), reused across chunks, so the chunks allocate nothing tensor-sized."""
+    n = x.numel()
+    v, a, f, g = (b[:n].view(x.shape) for b in scratch)
     inf = torch.full((), _INF, dtype=x.dtype, device=x.device)
-    fmin = torch.where(finite, x, inf).amin()
-    fmax = torch.where(finite, x, -inf).amax()
-    ax = x.abs()
-    absmin = torch.where(finite & (ax != 0), ax, inf).amin()
-    del ax
-    counts = torch.stack(
-        [finite.sum(), torch.isnan(x).sum(), (x == inf).sum(), (x == -inf).sum(), (x == 0).sum()]
-    )
+    torch.abs(x, out=a)
+    torch.lt(a, inf, out=f)  # finite: NaN and ±inf are not below +inf
+    fmin = torch.where(f, x, inf, out=v).amin()
+    fmax = torch.where(f, x, -inf, out=v).amax()
+    torch.logical_and(torch.ne(a, 0, out=g), f, out=g)
+    absmin = torch.where(g, a, inf, out=v).amin()
+    n_finite = torch.count_nonzero(f)
+    n_nan = torch.count_nonzero(torch.ne(x, x, out=g))
+    n_posinf = torch.count_nonzero(torch.eq(x, inf, out=g))
+    n_neginf = torch.count_nonzero(torch.eq(x, -inf, out=g))
+    n_zero = torch.count_nonzero(torch.eq(a, 0, out=g))
+    counts = torch.stack([n_finite, n_nan, n_posinf, n_neginf, n_zero])
     return torch.cat([torch.stack([fmin, fmax, absmin]).double(), counts.double()])
 
 
@@ -126,8 +136,16 @@ def stats_device(t: torch.Tensor) -> torch.Tensor:
         ``torch.float64`` tensor ``[min, max, absmax, absmin, n_nan, n_posinf, n_neginf, n_zero]`` (the counts
         are exact integers up to 2**53 elements).
     """
-    raw = t.detach()
-    parts = [_partial(_work_view(c)) for c in _chunks(raw)]
+    chunks = [_work_view(c) for c in _chunks(t.detach())]
+    size = max(c.numel() for c in chunks)
+    dtype, device = chunks[0].dtype, chunks[0].device
+    scratch = (
+        torch.empty(size, dtype=dtype, device=device),
+        torch.empty(size, dtype=dtype, device=device),
+        torch.empty(size, dtype=torch.bool, device=device),
+        torch.empty(size, dtype=torch.bool, device=device),
+    )
+    parts = [_partial(c, scratch) for c in chunks]
     if len(parts) == 1:
         p = parts[0]
     else:
