@@ -381,7 +381,11 @@ class Recording:
         """After the recorder's root pre-hook: the per-sample flags of a recorded micro-step's model inputs."""
         r = self.rec
         if r.active and not r.eval_depth and r.root_depth == 1 and "data" in r.phases and not in_backward():
-            self.samples.look(r.step, max(r.micro, 0), args, kwargs, r.pending.samples)
+            try:
+                self.samples.look(r.step, max(r.micro, 0), args, kwargs, r.pending.samples)
+            except (torch.OutOfMemoryError, MemoryError):  # a passive observer: the flags are only lost
+                self.samples.pending.clear()
+                del r.pending.samples[:]
 
     def _detach(self) -> None:
         for h in self.handles:

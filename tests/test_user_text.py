@@ -101,3 +101,16 @@ def test_many_bad_samples_show_the_first_eight_and_the_count() -> None:
     assert str(tr.first_overflow()).endswith(
         "look at samples 0, 2, 4, 6, 8, 10, 12, 14, … (10 in all) of the batch (index along dim 0)."
     )
+
+
+def test_out_of_memory_in_the_sample_flags_never_reaches_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nantrace import _samples
+
+    def no_memory(t: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("planted")
+
+    monkeypatch.setattr(_samples, "bad_samples", no_memory)
+    tr = _data_fault(sync_free=True, bad_rows=(3,))
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase, ov.kind) == (1, "data", "nan")
+    assert str(ov).endswith("e.g. log(0), division by zero or a corrupt sample.")  # the samples are unknown
