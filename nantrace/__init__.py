@@ -11,7 +11,7 @@ from ._errors import NantraceError
 from ._hunt import Culprit, hunt
 from ._overflow import Overflow
 from ._repro import Repro, load_repro
-from ._trace import Trace, load, trace
+from ._trace import Trace, load, trace, watch
 from ._version import __version__ as __version__
 
 __all__ = [
@@ -27,4 +27,5 @@ __all__ = [
     "load",
     "load_repro",
     "trace",
+    "watch",
 ]

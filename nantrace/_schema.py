@@ -25,6 +25,7 @@ __all__ = [
     "RECORD_COLUMNS",
     "STAT_NAMES",
     "STEP_COLUMNS",
+    "RECORDED",
     "DType",
     "dtype_max",
     "is_wide",
@@ -78,7 +79,13 @@ STEP_COLUMNS: tuple[str, ...] = (
     "micro_steps",
     "n_records",
     "rank",  # extension: torch.distributed rank (0 without a process group)
+    "recorded",  # extension: how the step was recorded, one of RECORDED
 )
+
+# How a step was recorded: "full" (every hook), "watch" (nantrace.watch's sentinel only), "replay" (the sentinel
+# saw a non-finite value and the step was replayed in full), "not_reproduced" (it was, but the replay recorded
+# no non-finite value), "post_step" (only the parameters after optimizer.step(), which made the value).
+RECORDED: tuple[str, ...] = ("full", "watch", "replay", "not_reproduced", "post_step")
 
 # one row of hook metadata: the identifying columns of RECORD_COLUMNS (up to numel), then internal fields
 META_COLUMNS: tuple[str, ...] = (

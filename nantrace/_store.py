@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ._schema import META_COLUMNS, N_STATS, PHASES, RECORD_COLUMNS, STAT_NAMES, STEP_COLUMNS
+from ._schema import META_COLUMNS, N_STATS, PHASES, RECORD_COLUMNS, RECORDED, STAT_NAMES, STEP_COLUMNS
 
 __all__ = [
     "Interner",
@@ -136,6 +136,9 @@ def canonical_steps(df: pd.DataFrame) -> pd.DataFrame:
             df[name] = df[name].astype("int64")
     if "growth_tracker" in df.columns:
         df["growth_tracker"] = df["growth_tracker"].astype("Int64")
+    if "recorded" not in df.columns:  # written before nantrace.watch: every step recorded in full
+        df["recorded"] = "full"
+    df["recorded"] = df["recorded"].astype("string")
     return df
 
 
@@ -164,8 +167,8 @@ class StepRows:
 
     def append(self, row: dict[str, Any]) -> None:
         for c, a in self.cols.items():
-            v = row[c]
-            a.append(math.nan if v is None else float(v))
+            v = row.get(c, "full") if c == "recorded" else row[c]
+            a.append(float(RECORDED.index(v)) if c == "recorded" else math.nan if v is None else float(v))
 
     def row(self, i: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -175,6 +178,8 @@ class StepRows:
                 out[c] = None if math.isnan(v) else bool(v)
             elif c == "growth_tracker":
                 out[c] = None if math.isnan(v) else int(v)
+            elif c == "recorded":
+                out[c] = RECORDED[int(v)]
             elif c in self._INTS:
                 out[c] = int(v)
             else:
@@ -196,7 +201,7 @@ class StepRows:
         for c, a in self.cols.items():
             v = row[c]
             del a[:count]
-            a.insert(0, math.nan if v is None else float(v))
+            a.insert(0, float(RECORDED.index(v)) if c == "recorded" else math.nan if v is None else float(v))
 
 
 @dataclass
@@ -526,6 +531,7 @@ class Store:
                 "micro_steps": pd.array([r["micro_steps"] for r in rows], dtype="int64"),
                 "n_records": pd.array([r["n_records"] for r in rows], dtype="int64"),
                 "rank": pd.array([r["rank"] for r in rows], dtype="int64"),
+                "recorded": pd.array([r["recorded"] for r in rows], dtype="string"),
             },
             columns=list(STEP_COLUMNS),
         )

@@ -13,13 +13,14 @@ import pandas as pd
 import torch
 from torch import nn
 
-from . import _diagnose, _explain, _io, _readiness, _report, _repro, _tensorboard
+from . import _io, _readiness, _report, _repro, _tensorboard, _watched
 from ._errors import NantraceError
 from ._format import read_records
 from ._live import Live
 from ._options import ModuleFilter, TraceOptions
 from ._recording import Recording
 from ._view import RunView, view_of
+from ._watch import DEFAULT_EVERY, Watch
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from ._diagnosis import Diagnosis
     from ._overflow import Overflow
 
-__all__ = ["Trace", "load", "served", "trace", "trace_of"]
+__all__ = ["Trace", "load", "served", "trace", "trace_of", "watch"]
 
 
 def served(df: pd.DataFrame) -> pd.DataFrame:
@@ -66,6 +67,7 @@ class Trace:
         self._loaded: RunView | None = None
         self._live: Live | None = None
         self._streamed: pd.DataFrame | None = None
+        self._watch: Watch | None = None
         rec = self._recording
         if opts.live_every is not None and rec.world_size > 1:
             self._live = Live(opts.live_every, rec.rank, rec.world_size)
@@ -75,6 +77,7 @@ class Trace:
     def _of_view(cls, view: RunView) -> Trace:
         tr = cls.__new__(cls)
         tr._recording, tr._loaded, tr._live, tr._streamed = None, view, None, None
+        tr._watch = None
         return tr
 
     def _view(self) -> RunView:
@@ -95,13 +98,18 @@ class Trace:
             raise NantraceError(
                 "this Trace was loaded from a file and is read-only; record with nantrace.trace()"
             )
-        self._recording.enter()
+        if self._watch is not None:
+            self._watch.enter()
+        else:
+            self._recording.enter()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._recording is not None:
+        if self._watch is not None:
+            self._watch.exit(failed=exc_type is not None)
+        elif self._recording is not None:
             self._recording.exit(failed=exc_type is not None)
 
     # ------------------------------------------------------------------ recording
@@ -122,7 +130,10 @@ class Trace:
         """
         if self._recording is None:
             raise NantraceError("Trace.step() was called outside its `with nantrace.trace(...)` block")
-        self._recording.step(loss)
+        if self._watch is not None:
+            self._watch.step(loss)
+        else:
+            self._recording.step(loss)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the trace to ``path`` (``~`` is expanded) as one parquet file (pyarrow), atomically.
@@ -224,7 +235,7 @@ class Trace:
         Raises:
             ValueError: ``kind`` is none of those.
         """
-        return _explain.first_overflow(self._view(), kind)
+        return _watched.first_overflow(self._view(), kind)
 
     def overflows(self, kind: str | None = None, *, per_rank: bool = False) -> pd.DataFrame:
         """One row per step that saw a non-finite value, with that step's first producer (``Overflow`` fields
@@ -251,7 +262,7 @@ class Trace:
         of a torch.distributed run that only received the value through the gradient reduction,
         ``"received"``), with ``evidence``
         (strings holding the numbers) and ``advice`` (fixes naming the module, dtype and number)."""
-        return _diagnose.diagnose(self._view())
+        return _watched.diagnose(self._view())
 
     def fp16_readiness(self, *, loss_scale: float | None = None) -> pd.DataFrame:
         """From an fp32 or bf16 run: which modules would overflow in fp16 (absmax above 65504 =
@@ -335,6 +346,7 @@ def trace_of(recording: Recording) -> Trace:
     """A :class:`Trace` around a recording that a front-end (``nantrace run``, a callback) made and drives."""
     tr = Trace.__new__(Trace)
     tr._recording, tr._loaded, tr._live, tr._streamed = recording, None, None, None
+    tr._watch = None
     return tr
 
 
@@ -449,6 +461,67 @@ def trace(
         capture=capture,
     )
     return Trace(model, scaler=scaler, optimizer=optimizer, **vars(options))
+
+
+def watch(
+    model: nn.Module,
+    *,
+    scaler: torch.amp.GradScaler | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    every: int | None = DEFAULT_EVERY,
+    **options: Any,
+) -> Trace:
+    """Leave-on mode: a nearly free sentinel on every step; the step that goes non-finite is replayed and
+    recorded in full; every ``every``-th step is recorded in full for range history. The same :class:`Trace`.
+
+    Use it like :func:`trace`: ``with nantrace.watch(model, scaler=scaler, optimizer=opt) as tr:`` around the
+    unchanged loop. Steps, micro-steps and phases mean what they mean there, and ``tr.first_overflow()`` gives
+    the same answer as ``nantrace.trace`` would on the same run.
+
+    Every step, the sentinel checks the root's inputs and outputs, the loss, the gradients arriving at the
+    outputs (one float32 sum per tensor: inf/NaN propagate into it), the gradients before ``optimizer.step()``
+    (one fused ``torch._foreach_norm``, beside the GradScaler's found-inf) and the parameters after it. Its
+    flags stay device tensors, read once before ``optimizer.step()`` and once at the step boundary (never
+    inside a hook). ``steps`` gets a row per step (loss, scale, skipped, lr, growth tracker, grad norm).
+
+    When a flag is non-finite, every micro-step of that step is replayed with full recording before
+    ``optimizer.step()`` runs: the root forward on the same inputs, with the RNG state (CPU and CUDA),
+    autocast state and grad mode it had, then the backward from the gradients that reached the outputs in the
+    real step, in the real order. ``.grad`` of every parameter, the module buffers (BatchNorm running
+    statistics) and the RNG states are restored afterwards, and the optimizer and scaler are not touched, so the
+    run continues bit for bit as without nantrace. A non-finite parameter after ``optimizer.step()`` is recorded
+    as that step's ``optimizer`` rows. ``steps.recorded`` says how each step was recorded: ``"full"``,
+    ``"watch"`` (sentinel only), ``"replay"``, ``"post_step"``, or ``"not_reproduced"`` (the replay recorded
+    no non-finite value: non-deterministic kernels, or inputs changed in place after the forward); for the
+    latter ``first_overflow()`` and ``diagnose()`` report where the sentinel detected it, and say so.
+
+    Memory: until each step ends, watch holds references to the root's inputs of every micro-step (no copy;
+    the user's own tensors) and the gradients that arrived at the root's outputs (for a language model, the
+    logits' gradient: batch × sequence × vocabulary elements in the logits' dtype, per micro-step), plus the
+    CPU RNG state (about 5 KB) per micro-step.
+
+    Args:
+        model, scaler, optimizer: as :func:`trace`.
+        every: record a full step on steps 0, N, 2N, … (default 100: about 1/100 of full tracing's extra cost
+            on top of the sentinel's); ``None``: only the steps that go non-finite.
+        **options: the other options of :func:`trace` (``modules``, ``phases``, ``sync_free``, ``drill``,
+            ``path``, ``flush_every``, ``live_every``, ``capture``); they apply to the steps recorded in full.
+
+    Returns:
+        the :class:`Trace` (a context manager).
+
+    Raises:
+        TypeError / ValueError: as :func:`trace`; ``every`` is neither None nor an int ≥ 1.
+        NantraceError (on enter): the model is already being traced.
+    """
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(
+            f"every must be None (no periodic full step) or an int ≥ 1 (a full step every N steps); got {every!r}"
+        )
+    tr = Trace(model, scaler=scaler, optimizer=optimizer, **options)
+    assert tr._recording is not None
+    tr._watch = Watch(tr._recording, every)
+    return tr
 
 
 def load(path: str | os.PathLike[str]) -> Trace:

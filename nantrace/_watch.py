@@ -1,0 +1,501 @@
+"""The leave-on mode of :func:`nantrace.watch`: a nearly free sentinel on every step, a full recording of the
+step that goes non-finite (replayed from what the sentinel kept), and a full step every ``every`` steps.
+
+A :class:`Watch` composes a :class:`~nantrace._recording.Recording` whose hooks stay attached but record only on
+full steps and during a replay. On the other steps the sentinel keeps, per micro-step (root forward): the root's
+inputs (detached references, their ``_version``), the CPU and accelerator RNG states, the autocast state and
+grad mode at the root forward, and the gradients that arrive at the root's outputs. Its flags are device
+tensors: one float32 sum per input and output tensor, per loss and per output gradient (inf/NaN propagate into a
+sum), one fused ``torch._foreach_norm`` over the gradients before ``optimizer.step()`` (beside the GradScaler's
+found-inf) and one over the parameters after it. The flags are read once before ``optimizer.step()`` (where
+the GradScaler reads its found-inf) and the parameter flag once at the step boundary, never inside a hook.
+
+When a flag is non-finite, every micro-step of the step is replayed with the recording on, before
+``optimizer.step()`` changes the parameters: the root forward on the same inputs with the same RNG state,
+autocast and grad mode, then ``torch.autograd.backward`` from the captured output gradients, in the order the
+real step ran them. ``.grad`` of every parameter, the module buffers (BatchNorm running statistics) and the RNG
+states are saved before and restored after, so the user's run continues bit for bit. A non-finite parameter
+after ``optimizer.step()`` is recorded as the ``optimizer`` phase rows of that step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ._hooks import eager, in_backward
+from ._scaler import current_lr
+from ._schema import RECORDED
+from ._store import to_host
+from ._tree import flatten
+
+if TYPE_CHECKING:
+    from ._recording import Recording
+
+__all__ = ["DEFAULT_EVERY", "Watch"]
+
+DEFAULT_EVERY = 100
+
+
+@dataclass
+class _Micro:
+    """What the sentinel keeps of one root forward until the step ends."""
+
+    args: Any
+    kwargs: Any
+    versions: tuple[int, ...]
+    rng: torch.Tensor
+    accel_rng: list[torch.Tensor] | None
+    autocast: list[tuple[str, bool, torch.dtype]]
+    grad_enabled: bool
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    backward_after: int = -1  # number of root forwards done when its output gradients arrived
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _Flag:
+    """One sentinel check: a 1-d float tensor whose non-finite entries name ``paths[i]``."""
+
+    phase: str
+    micro: int
+    paths: list[str]
+    values: torch.Tensor
+    owners: list[tuple[str, str]] | None = None  # (module, module_type) per path; None: the root / loss
+
+
+def _detach(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        # a reference, not a copy; a replay's backward reaches these detached leaves, never the user's tensors
+        grad = obj.requires_grad and (obj.is_floating_point() or obj.is_complex())
+        return obj.detach().requires_grad_(grad)
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_detach(v) for v in obj)
+    if isinstance(obj, list):
+        return [_detach(v) for v in obj]
+    if type(obj) is dict:
+        return {k: _detach(v) for k, v in obj.items()}
+    return obj
+
+
+def _sums(items: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor] | None:
+    """One float32 sum per floating tensor (inf/NaN propagate into it), stacked; None if there is none."""
+    paths, sums = [], []
+    for path, t in items:
+        if t.is_floating_point() and t.numel() and type(t) is torch.Tensor:
+            paths.append(path)
+            sums.append(t.detach().sum(dtype=torch.float32))
+    if not sums:
+        return None
+    return paths, torch.stack([s.to(sums[0].device) for s in sums])
+
+
+def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor float32 L2 norms, fused (``torch._foreach_norm``), on the first tensor's device."""
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch.stack([n.to(norms[0].device) for n in norms])
+
+
+def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
+
+
+def _found_inf(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    found = [
+        v
+        for st in getattr(scaler, "_per_optimizer_states", {}).values()
+        for v in st.get("found_inf_per_device", {}).values()
+    ]
+    return torch.stack([f.to(found[0].device).float().sum() for f in found]).sum() if found else None
+
+
+@contextlib.contextmanager
+def _restored(model: nn.Module, params: list[nn.Parameter]) -> Iterator[None]:
+    """Save ``.grad`` of ``params`` (set to None inside), the buffers of ``model`` and the RNG states; restore
+    them on exit."""
+    grads = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cpu = torch.get_rng_state()
+    accel = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(cpu)
+        if accel is not None:
+            torch.cuda.set_rng_state_all(accel)
+
+
+class Watch:
+    """The sentinel and the replay of one :func:`nantrace.watch` (see the module docstring).
+
+    ``every``: a full step on steps 0, N, 2N, …; ``None``: never (only faulty steps are recorded).
+    """
+
+    def __init__(self, recording: Recording, every: int | None) -> None:
+        self.r = recording
+        self.every = every
+        self.mode = "full"
+        self.live = False
+        self.replaying = False
+        self.depth = 0
+        self.eval_call = False
+        self.micro: list[_Micro] = []
+        self.flags: list[_Flag] = []
+        self.param_flag: _Flag | None = None
+        self.checked = False
+        self.recorded = "watch"
+        self.opt_mode = "full"
+        self.handles: list[RemovableHandle] = []
+        self.tensor_handles: list[RemovableHandle] = []
+        self.sentinel: dict[str, dict[str, Any]] = {}  # step -> what the sentinel saw (steps it flagged)
+        recording.options["watch"] = {"every": every, "sentinel": self.sentinel}
+        recording.add_step_observer(self._on_step_closed)
+
+    # ------------------------------------------------------------------ attach / detach
+    def enter(self) -> None:
+        """Enter the recording and attach the sentinel's hooks (after the recording's own)."""
+        r = self.r
+        r.enter()
+        root = r.root
+        self.handles.append(root.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True))
+        self.handles.append(root.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+        if r.optimizer is not None:
+            self.handles.append(r.optimizer.register_step_pre_hook(self._opt_pre))
+            self.handles.append(r.optimizer.register_step_post_hook(self._opt_post))
+        if r.scaler is not None:
+            self._wrap_scaler(r.scaler)
+        self.live = True
+        self._begin(0)
+
+    def exit(self, failed: bool) -> None:
+        """Close the open step (checked and, if needed, replayed) and exit the recording."""
+        try:
+            if self.live and not failed and self.mode == "watch" and (self.micro or self.flags):
+                self._close(self.r.end_step)
+        finally:
+            self.live = False
+            for h in [*self.handles, *self.tensor_handles]:
+                h.remove()
+            self.handles.clear()
+            self._reset()
+            self.r.exit(failed)
+
+    def _wrap_scaler(self, scaler: torch.amp.GradScaler) -> None:
+        inner_step, inner_update, inner_scale = scaler.step, scaler.update, scaler.scale
+
+        def step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if self._watching() and scaler.is_enabled():
+                state = scaler._per_optimizer_states[id(optimizer)]
+                if state["stage"].name == "READY":
+                    scaler.unscale_(optimizer)  # what step() does first; the grads are then checked unscaled
+                self._check(_found_inf(scaler), scaled=False)
+            return inner_step(optimizer, *args, **kwargs)
+
+        def update(new_scale: Any = None) -> None:
+            if self._watching():
+                self._close(lambda: inner_update(new_scale))
+            else:
+                inner_update(new_scale)
+
+        def scale(outputs: Any) -> Any:
+            if self._watching():
+                self._loss(outputs)
+            return inner_scale(outputs)
+
+        self.r.patch(scaler, "step", step)
+        self.r.patch(scaler, "update", update)
+        self.r.patch(scaler, "scale", scale)
+
+    # ------------------------------------------------------------------ step structure
+    def _watching(self) -> bool:
+        return self.live and self.mode == "watch" and not self.replaying
+
+    def _begin(self, step: int) -> None:
+        self._reset()
+        full = self.every is not None and step % self.every == 0
+        self.mode = "full" if full else "watch"
+        self.r.rec.active = full
+
+    def _reset(self) -> None:
+        for h in self.tensor_handles:
+            h.remove()
+        self.tensor_handles.clear()
+        self.micro, self.flags, self.param_flag = [], [], None
+        self.checked = False
+        self.recorded = "watch"
+
+    def _on_step_closed(self, recording: Recording, chunks: int, step: int, final: bool) -> None:
+        if self.mode == "watch":
+            self._mark(step)
+        if self.live and not final:
+            self._begin(step + 1)
+
+    def _mark(self, step: int) -> None:
+        """Write how ``step`` was recorded into its ``steps`` row; a replay that recorded no non-finite value
+        did not reproduce the fault."""
+        cols = self.r.store.step_rows.cols
+        recorded = self.recorded
+        if recorded in ("replay", "post_step") and cols["n_nonfinite"][-1] == 0:
+            recorded = "not_reproduced"
+        cols["recorded"][-1] = float(RECORDED.index(recorded))
+        if str(step) in self.sentinel:
+            self.sentinel[str(step)]["recorded"] = recorded
+
+    def step(self, loss: torch.Tensor | None) -> None:
+        """``Trace.step`` under watch: the loss is checked; without scaler and optimizer the step closes.
+
+        Raises:
+            TypeError: ``loss`` is not a tensor or None.
+            NantraceError: not inside ``with``.
+        """
+        r = self.r
+        if not self._watching():
+            r.step(loss)
+            return
+        if loss is not None and not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss must be a torch.Tensor or None; got {type(loss).__name__}")
+        if loss is not None:
+            self._loss(loss)
+        if r.scaler is None and r.optimizer is None:
+            self._close(lambda: r.step(None))
+
+    def _close(self, finish: Callable[[], None]) -> None:
+        """End a watched step: check (and replay) if not done yet, the post-step parameter check, then
+        ``finish()`` with the recording on, which closes the step and writes its row."""
+        r = self.r
+        rec = r.rec
+        if not self.checked:
+            self._check(None, scaled=r.scaler is not None)
+        if self.param_flag is not None:
+            bad = self._first_bad([self.param_flag])
+            if bad is not None:
+                self._note(bad)
+                rec.active = True
+                for p, mcode, tcode, pname in r.params:
+                    rec.add("optimizer", mcode, tcode, 0, pname, p, is_grad=False, parent=-1)
+                if self.recorded == "watch":
+                    self.recorded = "post_step"
+        rec.pending.micro_steps = max(rec.pending.micro_steps, len(self.micro))
+        rec.active = True
+        finish()
+        if r.rec.active and self.mode == "watch":  # finish() did not close (e.g. a manual step merged)
+            rec.active = False
+
+    # ------------------------------------------------------------------ the sentinel's hooks
+    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self.live or self.replaying or in_backward():
+            return
+        self.depth += 1
+        if self.depth > 1:
+            return
+        r = self.r
+        self.eval_call = r.training() and not torch.is_grad_enabled()
+        if self.eval_call:
+            return
+        if r.step_each_forward():
+            if self.mode == "watch" and (self.micro or self.flags):
+                self._close(r.end_step)
+            elif self.mode == "full" and r.rec.step_open():
+                r.end_step()
+        if self.mode != "watch":
+            return
+        items = [*flatten(args, "input"), *flatten(kwargs, "input")]
+        self.micro.append(
+            _Micro(
+                args=_detach(args),
+                kwargs=_detach(kwargs),
+                versions=tuple(t._version for _, t in items if not t.is_inference()),
+                rng=torch.get_rng_state(),
+                accel_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+                autocast=_autocast_state(),
+                grad_enabled=torch.is_grad_enabled(),
+            )
+        )
+        self._flag("data", items)
+
+    def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if not self.live or self.replaying or in_backward():
+            return
+        self.depth = max(0, self.depth - 1)
+        if self.depth or self.eval_call or self.mode != "watch" or not self.micro:
+            return
+        items = list(flatten(output, "output"))
+        self._flag("forward", items)
+        if not torch.is_grad_enabled():
+            return
+        micro = self.micro[-1]
+        for path, t in items:
+            if t.requires_grad and t.is_floating_point():
+                self.tensor_handles.append(t.register_hook(self._grad_hook(micro, len(self.micro) - 1, path)))
+
+    def _grad_hook(self, micro: _Micro, index: int, path: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if not self.live or self.replaying:
+                return
+            micro.grads[path] = grad
+            if micro.backward_after < 0:
+                micro.backward_after = len(self.micro)
+            head = "grad_output" + path[len("output") :] if path != "output" else "grad_output[0]"
+            self._flag("loss", [(head, grad)], micro=index)
+
+        return eager(hook)
+
+    def _loss(self, loss: Any) -> None:
+        items = [(p, t) for p, t in flatten(loss, "loss") if t.is_floating_point() and t.numel()]
+        micro = self.micro[-1] if self.micro else None
+        for _, t in items:
+            self.r.rec.pending.losses.append(t.detach().float().mean())
+            if micro is not None:
+                micro.losses.append(t.detach())
+        self._flag("loss", items)
+
+    def _flag(self, phase: str, items: list[tuple[str, torch.Tensor]], micro: int | None = None) -> None:
+        got = _sums(items)
+        if got is not None:
+            index = len(self.micro) - 1 if micro is None else micro
+            self.flags.append(_Flag(phase, max(index, 0), got[0], got[1]))
+
+    def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.opt_mode = self.mode  # the recording's post-hook may close a full step before ours runs
+        if self._watching() and not self.checked:
+            self._check(None, scaled=False)
+
+    def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._watching() or self.opt_mode != "watch":
+            return
+        r = self.r
+        with torch.no_grad():
+            params = [(p, m, t, n) for p, m, t, n in r.params if p.is_floating_point()]
+            if params:
+                owners = [(r.store.modules.values[m], r.store.types.values[t]) for _, m, t, _ in params]
+                values = _norms([p.detach() for p, _, _, _ in params])
+                flag = _Flag("optimizer", max(len(self.micro) - 1, 0), [n for *_, n in params], values, owners)
+                self.param_flag = flag
+        if opt.param_groups:
+            r.rec.pending.lr = current_lr(opt)
+        if r.scaler is None and not r.manual_steps:
+            self._close(r.end_step)
+
+    # ------------------------------------------------------------------ check and replay
+    def _check(self, found_inf: torch.Tensor | None, *, scaled: bool) -> None:
+        """The gradient check, then the one read of this step's flags; a replay if one is non-finite."""
+        self.checked = True
+        r = self.r
+        grads = [(i, p.grad) for i, (p, _, _, _) in enumerate(r.params) if p.grad is not None]
+        grads = [(i, g) for i, g in grads if g.is_floating_point() and not g.is_sparse]
+        if grads:
+            norms = _norms([g.detach() for _, g in grads])
+            owners = [(r.store.modules.values[r.params[i][1]], r.store.types.values[r.params[i][2]]) for i, _ in grads]
+            paths = [r.params[i][3] + ".grad" for i, _ in grads]
+            total = torch.linalg.vector_norm(norms)
+            if not scaled and r.scaler is not None and r.scaler.is_enabled():
+                total = total * r.scaler._scale.to(total.device)  # the store divides by the scale it used
+            r.rec.pending.grad_norms = {0: total}
+            self.flags.append(_Flag("backward", max(len(self.micro) - 1, 0), paths, norms, owners))
+        if found_inf is not None:
+            flagged = torch.where(found_inf.reshape(1) > 0, math.inf, 0.0)
+            self.flags.append(_Flag("backward", max(len(self.micro) - 1, 0), ["found_inf"], flagged))
+        bad = self._first_bad(self.flags)
+        if bad is not None:
+            self._note(bad)
+            self._replay()
+
+    def _first_bad(self, flags: list[_Flag]) -> tuple[_Flag, int, float] | None:
+        """The first flag entry that is NaN or +inf (a ``-inf`` input is an attention mask), read in one copy."""
+        if not flags:
+            return None
+        host = to_host([f.values for f in flags])  # the one read of the step's flags
+        pos = 0
+        for f in flags:
+            for i in range(len(f.paths)):
+                v = float(host[pos + i])
+                if math.isnan(v) or (v == math.inf) or (v == -math.inf and f.phase != "data"):
+                    return f, i, v
+            pos += len(f.paths)
+        return None
+
+    def _note(self, bad: tuple[_Flag, int, float]) -> None:
+        f, i, v = bad
+        step = self.r.rec.step
+        if str(step) in self.sentinel:
+            return
+        module, module_type = f.owners[i] if f.owners else ("", "loss" if f.phase == "loss" and f.paths[i].startswith("loss") else type(self.r.root).__name__)
+        if f.paths[i] == "found_inf":
+            module, module_type = "", "GradScaler"
+        self.sentinel[str(step)] = {
+            "step": step,
+            "micro_step": f.micro,
+            "phase": f.phase,
+            "module": module,
+            "module_type": module_type,
+            "tensor": f.paths[i],
+            "kind": "nan" if math.isnan(v) else "inf",
+            "recorded": "replay",
+        }
+
+    def _replay(self) -> None:
+        """Record every micro-step of this step again, with the recording on and nothing of the user's
+        changed (see the module docstring)."""
+        r = self.r
+        self.recorded = "replay"
+        if not self.micro:
+            return
+        params = list(r.root.parameters())
+        now = [tuple(t._version for _, t in [*flatten(m.args, "i"), *flatten(m.kwargs, "i")] if not t.is_inference()) for m in self.micro]
+        if any(v != m.versions for v, m in zip(now, self.micro)):
+            self.sentinel[str(r.rec.step)]["inputs_changed"] = True
+        self.replaying = True
+        r.rec.active = True
+        try:
+            with _restored(r.root, params):
+                self._replay_micro_steps()
+        except Exception as e:  # never raise into the user's loop
+            import warnings
+
+            warnings.warn(f"nantrace.watch: the replay of step {r.rec.step} failed ({e!r}); recorded what it had")
+        finally:
+            self.replaying = False
+            r.rec.active = False
+
+    def _replay_micro_steps(self) -> None:
+        r = self.r
+        outputs: dict[int, Any] = {}
+        for k, m in enumerate(self.micro):
+            torch.set_rng_state(m.rng)
+            if m.accel_rng is not None:
+                torch.cuda.set_rng_state_all(m.accel_rng)
+            with contextlib.ExitStack() as stack:
+                for device, enabled, dtype in m.autocast:
+                    stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+                stack.enter_context(torch.set_grad_enabled(m.grad_enabled))
+                outputs[k] = r.root(*m.args, **m.kwargs)
+            if m.losses:
+                r.record_loss(list(m.losses))
+            done = [j for j, mj in enumerate(self.micro) if mj.backward_after == k + 1]
+            self._replay_backward([(outputs[j], self.micro[j]) for j in done])
+
+    def _replay_backward(self, pairs: list[tuple[Any, _Micro]]) -> None:
+        tensors, grads = [], []
+        for out, m in pairs:
+            for path, t in flatten(out, "output"):
+                g = m.grads.get(path)
+                if g is not None and t.requires_grad:
+                    tensors.append(t)
+                    grads.append(g)
+        if tensors:
+            torch.autograd.backward(tensors, grads)

@@ -1,0 +1,124 @@
+"""What ``nantrace.watch`` adds to the answers: which step was recorded by a replay, and what the sentinel saw
+on a step whose replay did not reproduce the fault (pure functions over a :class:`~nantrace._view.RunView`).
+
+The sentinel's notes are in ``view.meta.options["watch"]["sentinel"]`` (saved with the trace): per flagged
+step, where it first saw a non-finite value (``phase``, ``module``, ``tensor``, ``kind``) and how the step was
+recorded. Without ``watch`` every function here returns the plain answer unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from . import _diagnose, _explain
+from ._diagnosis import Diagnosis
+from ._overflow import Overflow
+from ._schema import wanted_kinds
+from ._view import RunView
+
+__all__ = ["diagnose", "first_overflow", "unreproduced"]
+
+_CAUSE_OF_PHASE = {
+    "data": "data",
+    "forward": "forward_overflow",
+    "loss": "loss",
+    "backward": "backward_overflow",
+    "optimizer": "optimizer",
+}
+
+
+def _notes(view: RunView) -> dict[str, dict[str, Any]]:
+    watch = view.meta.options.get("watch") if isinstance(view.meta.options, dict) else None
+    return dict(watch.get("sentinel") or {}) if isinstance(watch, dict) else {}
+
+
+def unreproduced(view: RunView, kind: str | None = None) -> list[Overflow]:
+    """Per step whose replay recorded no non-finite value, where the sentinel saw one, as an
+    :class:`Overflow` whose fields say where it was *detected* (not who produced it); step order."""
+    wanted = set(wanted_kinds(kind))
+    out = []
+    for note in _notes(view).values():
+        if note.get("recorded") != "not_reproduced":
+            continue
+        k = note["kind"]
+        if (k == "nan" and "nan" not in wanted) or (k == "inf" and not wanted & {"posinf", "neginf"}):
+            continue
+        changed = " The step's inputs had been changed in place after its forward." if note.get("inputs_changed") else ""
+        where = f"`{note['module']}`" if note["module"] else "the model"
+        message = (
+            f"nantrace.watch saw {k} at step {note['step']} (micro-step {note['micro_step']}, {note['phase']}: "
+            f"{note['tensor']} of {where}), but replaying the step recorded no non-finite value, so its producer "
+            f"is unknown: this is where the sentinel detected it.{changed} Non-deterministic kernels or inputs "
+            "changed after the forward make a replay differ; trace that step with nantrace.trace() to name "
+            "the producer."
+        )
+        out.append(
+            Overflow(
+                step=int(note["step"]),
+                micro_step=int(note["micro_step"]),
+                phase=str(note["phase"]),
+                module=str(note["module"]),
+                module_type=str(note["module_type"]),
+                call=0,
+                tensor=str(note["tensor"]),
+                kind=k,
+                dtype=str(note.get("dtype", "")),
+                message=message,
+            )
+        )
+    return sorted(out, key=lambda o: o.step)
+
+
+def _replayed(view: RunView, ov: Overflow) -> Overflow:
+    steps = view.steps
+    if "recorded" not in steps.columns:
+        return ov
+    row = steps[steps["step"] == ov.step]
+    if len(row) and row["recorded"].iloc[0] == "replay":
+        note = f" (nantrace.watch recorded step {ov.step} in full by replaying it after its sentinel saw a non-finite value.)"
+        return dataclasses.replace(ov, message=ov.message + note)
+    if len(row) and row["recorded"].iloc[0] == "post_step":
+        note = f" (nantrace.watch recorded the parameters after optimizer.step() of step {ov.step}; the gradients it checked before the step were finite.)"
+        return dataclasses.replace(ov, message=ov.message + note)
+    return ov
+
+
+def first_overflow(view: RunView, kind: str | None = None) -> Overflow | None:
+    """:func:`nantrace._explain.first_overflow`, saying when the answer comes from a replay; a step flagged by
+    the sentinel but not reproduced by its replay, if earlier, is reported as detected there.
+
+    Raises:
+        ValueError: ``kind`` is not None, ``"inf"`` or ``"nan"``.
+    """
+    found = _explain.first_overflow(view, kind)
+    missed = unreproduced(view, kind)
+    if missed and (found is None or missed[0].step < found.step):
+        return missed[0]
+    return None if found is None else _replayed(view, found)
+
+
+def diagnose(view: RunView) -> Diagnosis:
+    """:func:`nantrace._diagnose.diagnose`; when the first fault is one the replay did not reproduce, a
+    diagnosis that says so, with what the sentinel saw."""
+    result = _diagnose.diagnose(view)
+    missed = unreproduced(view)
+    first = result.overflow
+    if missed and (first is None or missed[0].step < first.step):
+        ov = missed[0]
+        return Diagnosis(
+            cause=_CAUSE_OF_PHASE.get(ov.phase, "data"),
+            overflow=ov,
+            evidence=[str(ov)],
+            advice=[
+                f"Re-run with nantrace.trace(..., every=1) around step {ov.step} to name the producer.",
+                "Make the replay deterministic: torch.use_deterministic_algorithms(True), and do not change the "
+                "model's inputs in place after its forward.",
+            ],
+            summary=f"Step {ov.step} went non-finite ({ov.phase}), but its replay did not reproduce it.",
+        )
+    if first is not None:
+        ov = _replayed(view, first)
+        if ov.message != first.message:
+            return dataclasses.replace(result, overflow=ov, evidence=[*result.evidence, ov.message[len(first.message) :].strip()])
+    return result
