@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from . import _io, _readiness, _report, _repro, _tensorboard, _watched
+from . import _explain, _io, _readiness, _report, _repro, _tensorboard, _watched
 from ._errors import NantraceError
 from ._format import read_records
 from ._live import Live

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,10 +31,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import _store
 from ._hooks import eager, in_backward
 from ._scaler import current_lr
 from ._schema import RECORDED
-from ._store import to_host
 from ._tree import flatten
 
 if TYPE_CHECKING:
@@ -69,6 +70,8 @@ class _Flag:
     paths: list[str]
     values: torch.Tensor
     owners: list[tuple[str, str]] | None = None  # (module, module_type) per path; None: the root / loss
+    # the checked tensors (gradients, parameters), to tell a norm that overflowed from a non-finite element
+    tensors: list[torch.Tensor] | None = None
 
 
 def _detach(obj: Any) -> Any:
@@ -86,12 +89,15 @@ def _detach(obj: Any) -> Any:
 
 
 def _sums(items: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor] | None:
-    """One float32 sum per floating tensor (inf/NaN propagate into it), stacked; None if there is none."""
+    """One sum per floating tensor (inf/NaN propagate into it), stacked; None if there is none. float16 sums in
+    float32 (65504 · numel cannot overflow it); wider dtypes in float64, so a sum of large finite values stays
+    finite."""
     paths, sums = [], []
     for path, t in items:
         if t.is_floating_point() and t.numel() and type(t) is torch.Tensor:
             paths.append(path)
-            sums.append(t.detach().sum(dtype=torch.float32))
+            wide = torch.float32 if t.dtype == torch.float16 else torch.float64
+            sums.append(t.detach().sum(dtype=wide))
     if not sums:
         return None
     return paths, torch.stack([s.to(sums[0].device) for s in sums])
@@ -130,7 +136,7 @@ def _restored(model: nn.Module, params: list[nn.Parameter]) -> Iterator[None]:
     try:
         yield
     finally:
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p.grad = g
         with torch.no_grad():
             for b, saved in buffers:
@@ -360,8 +366,8 @@ class Watch:
         micro = self.micro[-1] if self.micro else None
         for _, t in items:
             self.r.rec.pending.losses.append(t.detach().float().mean())
-            if micro is not None:
-                micro.losses.append(t.detach())
+        if micro is not None and items:
+            micro.losses.append(_detach(loss))
         self._flag("loss", items)
 
     def _flag(self, phase: str, items: list[tuple[str, torch.Tensor]], micro: int | None = None) -> None:
@@ -384,7 +390,14 @@ class Watch:
             if params:
                 owners = [(r.store.modules.values[m], r.store.types.values[t]) for _, m, t, _ in params]
                 values = _norms([p.detach() for p, _, _, _ in params])
-                flag = _Flag("optimizer", max(len(self.micro) - 1, 0), [n for *_, n in params], values, owners)
+                flag = _Flag(
+                    "optimizer",
+                    max(len(self.micro) - 1, 0),
+                    [n for *_, n in params],
+                    values,
+                    owners,
+                    [p for p, _, _, _ in params],
+                )
                 self.param_flag = flag
         if opt.param_groups:
             r.rec.pending.lr = current_lr(opt)
@@ -400,13 +413,18 @@ class Watch:
         grads = [(i, g) for i, g in grads if g.is_floating_point() and not g.is_sparse]
         if grads:
             norms = _norms([g.detach() for _, g in grads])
-            owners = [(r.store.modules.values[r.params[i][1]], r.store.types.values[r.params[i][2]]) for i, _ in grads]
+            owners = [
+                (r.store.modules.values[r.params[i][1]], r.store.types.values[r.params[i][2]])
+                for i, _ in grads
+            ]
             paths = [r.params[i][3] + ".grad" for i, _ in grads]
             total = torch.linalg.vector_norm(norms)
-            if not scaled and r.scaler is not None and r.scaler.is_enabled():
-                total = total * r.scaler._scale.to(total.device)  # the store divides by the scale it used
+            scale = r.scaler._scale if r.scaler is not None and r.scaler.is_enabled() else None
+            if not scaled and scale is not None:
+                total = total * scale.to(total.device)  # the store divides by the scale it used
             r.rec.pending.grad_norms = {0: total}
-            self.flags.append(_Flag("backward", max(len(self.micro) - 1, 0), paths, norms, owners))
+            micro = max(len(self.micro) - 1, 0)
+            self.flags.append(_Flag("backward", micro, paths, norms, owners, [g for _, g in grads]))
         if found_inf is not None:
             flagged = torch.where(found_inf.reshape(1) > 0, math.inf, 0.0)
             self.flags.append(_Flag("backward", max(len(self.micro) - 1, 0), ["found_inf"], flagged))
@@ -419,12 +437,18 @@ class Watch:
         """The first flag entry that is NaN or +inf (a ``-inf`` input is an attention mask), read in one copy."""
         if not flags:
             return None
-        host = to_host([f.values for f in flags])  # the one read of the step's flags
+        host = _store.to_host([f.values for f in flags])  # the one read of the step's flags
         pos = 0
         for f in flags:
             for i in range(len(f.paths)):
                 v = float(host[pos + i])
                 if math.isnan(v) or (v == math.inf) or (v == -math.inf and f.phase != "data"):
+                    if (
+                        f.tensors is not None
+                        and math.isinf(v)
+                        and _store.to_host([f.tensors[i].isfinite().all()])[0]
+                    ):
+                        continue  # an L2 norm of large finite values overflowed float32: not a fault
                     return f, i, v
             pos += len(f.paths)
         return None
@@ -434,7 +458,14 @@ class Watch:
         step = self.r.rec.step
         if str(step) in self.sentinel:
             return
-        module, module_type = f.owners[i] if f.owners else ("", "loss" if f.phase == "loss" and f.paths[i].startswith("loss") else type(self.r.root).__name__)
+        module, module_type = (
+            f.owners[i]
+            if f.owners
+            else (
+                "",
+                "loss" if f.phase == "loss" and f.paths[i].startswith("loss") else type(self.r.root).__name__,
+            )
+        )
         if f.paths[i] == "found_inf":
             module, module_type = "", "GradScaler"
         self.sentinel[str(step)] = {
@@ -456,8 +487,15 @@ class Watch:
         if not self.micro:
             return
         params = list(r.root.parameters())
-        now = [tuple(t._version for _, t in [*flatten(m.args, "i"), *flatten(m.kwargs, "i")] if not t.is_inference()) for m in self.micro]
-        if any(v != m.versions for v, m in zip(now, self.micro)):
+        now = [
+            tuple(
+                t._version
+                for _, t in [*flatten(m.args, "i"), *flatten(m.kwargs, "i")]
+                if not t.is_inference()
+            )
+            for m in self.micro
+        ]
+        if any(v != m.versions for v, m in zip(now, self.micro, strict=True)):
             self.sentinel[str(r.rec.step)]["inputs_changed"] = True
         self.replaying = True
         r.rec.active = True
@@ -465,9 +503,11 @@ class Watch:
             with _restored(r.root, params):
                 self._replay_micro_steps()
         except Exception as e:  # never raise into the user's loop
-            import warnings
-
-            warnings.warn(f"nantrace.watch: the replay of step {r.rec.step} failed ({e!r}); recorded what it had")
+            warnings.warn(
+                f"nantrace.watch could not replay step {r.rec.step} ({e!r}); first_overflow() reports what the "
+                "replay recorded before it failed, or where the sentinel saw the value if it recorded nothing",
+                stacklevel=2,
+            )
         finally:
             self.replaying = False
             r.rec.active = False
@@ -484,8 +524,8 @@ class Watch:
                     stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
                 stack.enter_context(torch.set_grad_enabled(m.grad_enabled))
                 outputs[k] = r.root(*m.args, **m.kwargs)
-            if m.losses:
-                r.record_loss(list(m.losses))
+            for loss in m.losses:
+                r.record_loss(loss)
             done = [j for j, mj in enumerate(self.micro) if mj.backward_after == k + 1]
             self._replay_backward([(outputs[j], self.micro[j]) for j in done])
 

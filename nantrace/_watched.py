@@ -44,7 +44,11 @@ def unreproduced(view: RunView, kind: str | None = None) -> list[Overflow]:
         k = note["kind"]
         if (k == "nan" and "nan" not in wanted) or (k == "inf" and not wanted & {"posinf", "neginf"}):
             continue
-        changed = " The step's inputs had been changed in place after its forward." if note.get("inputs_changed") else ""
+        changed = (
+            " The step's inputs had been changed in place after its forward."
+            if note.get("inputs_changed")
+            else ""
+        )
         where = f"`{note['module']}`" if note["module"] else "the model"
         message = (
             f"nantrace.watch saw {k} at step {note['step']} (micro-step {note['micro_step']}, {note['phase']}: "
@@ -120,5 +124,7 @@ def diagnose(view: RunView) -> Diagnosis:
     if first is not None:
         ov = _replayed(view, first)
         if ov.message != first.message:
-            return dataclasses.replace(result, overflow=ov, evidence=[*result.evidence, ov.message[len(first.message) :].strip()])
+            return dataclasses.replace(
+                result, overflow=ov, evidence=[*result.evidence, ov.message[len(first.message) :].strip()]
+            )
     return result

@@ -1,0 +1,446 @@
+"""nantrace.watch: the sentinel, the replay of a non-finite step, the full step every N, bit-identical training,
+and the same first_overflow() as nantrace.trace on CASES and a zoo of faults."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nantrace
+from tests import test_cases as cases
+from tests.test_sync import watch_reads
+
+FIELDS = ("step", "micro_step", "phase", "module", "module_type", "call", "tensor", "kind")
+
+
+def _fields(ov: nantrace.Overflow | None) -> tuple[Any, ...] | None:
+    return None if ov is None else tuple(getattr(ov, f) for f in FIELDS)
+
+
+# ------------------------------------------------------------------ CASES under watch
+_CASE_NAMES = [
+    n
+    for n, f in inspect.getmembers(cases, inspect.isfunction)
+    if n.startswith("test_c") and n != "test_c11_transformer_encoder_with_causal_mask_is_healthy"
+]
+
+
+@pytest.mark.parametrize("name", _CASE_NAMES)
+def test_every_case_gives_the_same_answers_under_watch(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each CASES test, with nantrace.trace replaced by nantrace.watch(every=None): no step recorded in full
+    unless the sentinel flags it, and every assertion of the case (exact locator answers) still holds."""
+    real_watch = nantrace.watch
+
+    def as_watch(model: nn.Module, **kw: Any) -> nantrace.Trace:
+        kw.pop("every", None)
+        return real_watch(model, every=None, **kw)
+
+    monkeypatch.setattr(nantrace, "trace", as_watch)
+    getattr(cases, name)()
+
+
+def test_c11_causal_mask_is_not_flagged_by_the_sentinel() -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256)
+    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    with nantrace.watch(model, scaler=scaler, optimizer=opt, every=None) as tr:
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(2, 6, 16), mask=causal)
+            scaler.scale(out.float().pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert tr.first_overflow() is None
+    assert tr.steps["recorded"].tolist() == ["watch", "watch", "watch"]  # the mask's -inf is no fault
+    assert len(tr.records) == 0
+    assert tr.diagnose().cause == "healthy"
+
+
+# ------------------------------------------------------------------ the zoo: trace and watch on one loop
+def _big_first_layer(model: nn.Sequential) -> None:
+    with torch.no_grad():
+        model[0].weight.fill_(300.0)
+        model[0].bias.zero_()
+
+
+def _amp_loop(fault: str) -> Callable[[Any], tuple[nn.Module, Any, Any, Callable[[], None]]]:
+    """A model, scaler, optimizer and a 5-step loop with ``fault`` planted in step 3."""
+
+    def build(_: Any) -> tuple[nn.Module, Any, Any, Callable[[], None]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)
+        )  # ReLU passes +inf on to the output
+        # lr 0 with the forward fault: the weights stay at 300, so only step 3's float16 input overflows
+        opt = torch.optim.SGD(model.parameters(), lr=0.0 if fault == "forward" else 1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+
+        def loop() -> None:
+            torch.manual_seed(1)
+            for step in range(5):
+                opt.zero_grad()
+                x = torch.randn(3, 4)
+                if step == 3 and fault == "data":
+                    x[0, 1] = math.nan
+                if step == 3 and fault == "forward":
+                    x = x.half() * 0 + 300.0  # float16: 4 inputs · 300 · 300 = 360000 > 65504
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        out = model(x)
+                else:
+                    out = model(x)
+                loss = out.float().pow(2).mean()
+                if step == 3 and fault == "loss":
+                    loss = loss * 0 + torch.tensor(math.inf) * 0  # 0 · inf = NaN, outside the model
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+
+        if fault == "forward":
+            _big_first_layer(model)
+        return model, scaler, opt, loop
+
+    return build
+
+
+@pytest.mark.parametrize(
+    ("fault", "expected"),
+    [
+        ("data", (3, 0, "data", "", "Sequential", 0, "input[0]", "nan")),
+        ("forward", (3, 0, "forward", "0", "Linear", 0, "output", "inf")),
+        ("loss", (3, 0, "loss", "", "loss", 0, "loss", "nan")),
+    ],
+)
+def test_watch_equals_trace_on_planted_faults(fault: str, expected: tuple[Any, ...]) -> None:
+    answers = []
+    for make in (nantrace.trace, nantrace.watch):
+        model, scaler, opt, loop = _amp_loop(fault)(None)
+        with make(model, scaler=scaler, optimizer=opt) as tr:
+            loop()
+        answers.append((tr, _fields(tr.first_overflow())))
+    (traced, a), (watched, b) = answers
+    assert a == b == expected
+    assert watched.steps["recorded"].tolist() == ["full", "watch", "watch", "replay", "watch"]
+    assert watched.steps["skipped"].tolist() == traced.steps["skipped"].tolist()
+    assert "replaying it" in str(watched.first_overflow())
+    assert _fields(watched.diagnose().overflow) == _fields(traced.diagnose().overflow)
+    assert watched.diagnose().cause == traced.diagnose().cause
+
+
+def _same_rows(a: pd.DataFrame, b: pd.DataFrame) -> None:
+    """Equal records (the internal ``event`` id aside, which counts statistics computed over the whole run)."""
+    left = a.drop(columns=["event"]).reset_index(drop=True).astype(object)
+    right = b.drop(columns=["event"]).reset_index(drop=True).astype(object)
+    pd.testing.assert_frame_equal(left, right)
+
+
+class Twice(nn.Module):
+    """Called twice per step before one backward: the second call's forward precedes the first's backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class InfGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the incoming gradient by inf (a planted backward fault)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * math.inf
+
+
+class BadBackward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return InfGrad.apply(x)
+
+
+def _zoo_twice(make: Any) -> nantrace.Trace:
+    torch.manual_seed(0)
+    model = Twice()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with make(model, optimizer=opt) as tr:
+        for step in range(3):
+            opt.zero_grad()
+            a = model(torch.randn(2, 4))
+            b = torch.randn(2, 4)
+            if step == 2:
+                b[1, 1] = math.inf
+            loss = a.sum() + model(b).sum()
+            loss.backward()
+            opt.step()
+    return tr
+
+
+def _zoo_accumulation(make: Any) -> nantrace.Trace:
+    """CASES C14's float16 Linear whose grad_input overflows (8 · 400 · 30 = 96000 > 65504), in micro-step 2
+    of step 1 only: the other micro-steps scale the loss by 1e-3."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 1))
+    with torch.no_grad():
+        for layer, w in zip(model, (0.01, 400.0, 30.0), strict=True):
+            layer.weight.fill_(w)
+            layer.bias.zero_()
+    model = model.half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with make(model, optimizer=opt) as tr:
+        for step in range(3):
+            opt.zero_grad()
+            for micro in range(3):
+                out = model(torch.full((1, 4), 0.5, dtype=torch.float16))
+                (out.sum() * (1.0 if (step, micro) == (1, 2) else 1e-3)).backward()
+            opt.step()
+    return tr
+
+
+def _zoo_no_grad(make: Any) -> nantrace.Trace:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)).half()
+    _big_first_layer(model)
+    with make(model) as tr, torch.no_grad():
+        for step in range(4):
+            model(torch.full((1, 4), 60.0 if step == 2 else 0.01, dtype=torch.float16))  # 4·300·60 = 72000
+    return tr
+
+
+def _zoo_optimizer(make: Any) -> nantrace.Trace:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with make(model, optimizer=opt) as tr:
+        for step in range(3):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().mul(100.0).backward()
+            if step == 1:
+                opt.param_groups[0]["lr"] = 3e38  # finite gradients, but lr · grad overflows float32
+            opt.step()
+            opt.param_groups[0]["lr"] = 1e-2
+    return tr
+
+
+@pytest.mark.parametrize(
+    ("zoo", "expected", "recorded"),
+    [
+        (_zoo_twice, (2, 1, "data", "", "Twice", 0, "input[0]", "inf"), ["full", "watch", "replay"]),
+        (
+            _zoo_accumulation,
+            (1, 2, "backward", "1", "Linear", 0, "grad_input[0]", "inf"),
+            ["full", "replay", "replay"],
+        ),
+        (
+            _zoo_no_grad,
+            (2, 0, "forward", "0", "Linear", 0, "output", "inf"),
+            ["full", "watch", "replay", "watch"],
+        ),
+        (_zoo_optimizer, (1, 0, "optimizer", "0", "Linear", 0, "weight", "inf"), None),
+    ],
+)
+def test_watch_equals_trace_on_the_zoo(
+    zoo: Any, expected: tuple[Any, ...], recorded: list[str] | None
+) -> None:
+    traced = zoo(nantrace.trace)
+    watched = zoo(nantrace.watch)
+    assert _fields(traced.first_overflow()) == expected
+    assert _fields(watched.first_overflow()) == expected
+    assert _fields(watched.first_overflow(kind="nan")) == _fields(traced.first_overflow(kind="nan"))
+    step = expected[0]
+    _same_rows(watched.records.query(f"step == {step}"), traced.records.query(f"step == {step}")) if expected[
+        2
+    ] != "optimizer" else None
+    if recorded is not None:
+        assert watched.steps["recorded"].tolist() == recorded
+    assert watched.steps["micro_steps"].tolist() == traced.steps["micro_steps"].tolist()
+    cols = list(FIELDS)
+    pd.testing.assert_frame_equal(watched.overflows()[cols], traced.overflows()[cols])
+
+
+# ------------------------------------------------------------------ bit for bit
+class DropBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.3)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x)))))
+
+
+def _train(mode: str) -> dict[str, Any]:
+    """6 steps, AdamW, GradScaler, 2 micro-steps each, NaN in the data of step 2 micro-step 1 and a loss scale
+    so large that step 4's gradients overflow; returns every number of the run."""
+    torch.manual_seed(0)
+    model = DropBN()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    torch.manual_seed(1)
+    data = [torch.randn(8, 6) for _ in range(12)]
+    data[5][3, 2] = math.nan
+    out: dict[str, Any] = {"losses": [], "outputs": [], "scales": [], "grads": []}
+    ctx = (
+        nantrace.watch(model, scaler=scaler, optimizer=opt, every=3)
+        if mode == "watch"
+        else contextlib.nullcontext()
+    )
+    with ctx as tr:
+        for step in range(6):
+            opt.zero_grad()
+            for micro in range(2):
+                y = model(data[2 * step + micro])
+                loss = y.pow(2).mean() * (2.0**127 if step == 4 else 1.0)
+                out["losses"].append(loss.detach().clone())
+                out["outputs"].append(y.detach().clone())
+                scaler.scale(loss).backward()
+            out["grads"].append([p.grad.clone() for p in model.parameters()])
+            scaler.step(opt)
+            scaler.update()
+            out["scales"].append(scaler.get_scale())
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    out["buffers"] = [b.clone() for b in model.buffers()]
+    out["state"] = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
+    out["rng"] = torch.get_rng_state()
+    out["trace"] = tr
+    return out
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b) or (
+            a.shape == b.shape and bool(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)))
+        )
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_training_with_watch_is_bit_identical_across_replayed_steps() -> None:
+    plain, watched = _train("plain"), _train("watch")
+    for key in ("losses", "outputs", "grads", "scales", "params", "buffers", "state", "rng"):
+        assert _equal(plain[key], watched[key]), key
+    tr = watched["trace"]
+    assert tr.steps["recorded"].tolist() == ["full", "watch", "replay", "full", "replay", "watch"]
+    assert tr.steps["skipped"].tolist() == [False, False, True, False, True, False]
+    assert plain["scales"] == [256.0, 256.0, 128.0, 128.0, 64.0, 64.0]
+    assert _fields(tr.first_overflow()) == (2, 1, "data", "", "DropBN", 0, "input[0]", "nan")
+    assert tr.steps["micro_steps"].tolist() == [2] * 6
+
+
+def test_replayed_step_records_what_trace_records() -> None:
+    """The replay of step 2 (dropout masks from the saved RNG state, BatchNorm in training mode) gives the
+    same rows as tracing that step for real."""
+    watched = _train("watch")["trace"]
+    torch.manual_seed(0)
+    model = DropBN()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    torch.manual_seed(1)
+    data = [torch.randn(8, 6) for _ in range(12)]
+    data[5][3, 2] = math.nan
+    with nantrace.trace(model, scaler=scaler, optimizer=opt) as traced:
+        for step in range(3):
+            opt.zero_grad()
+            for micro in range(2):
+                loss = model(data[2 * step + micro]).pow(2).mean()
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    _same_rows(watched.records.query("step == 2"), traced.records.query("step == 2"))
+    assert watched.steps.loc[2, "loss"] is not None and math.isnan(watched.steps.loc[2, "loss"])
+    for col in ("scale", "next_scale", "skipped", "growth_tracker", "lr", "micro_steps", "n_nonfinite"):
+        assert watched.steps.loc[2, col] == traced.steps.loc[2, col], col
+
+
+# ------------------------------------------------------------------ not reproduced, every, sync, errors
+def test_a_fault_the_replay_cannot_reproduce_is_reported_as_detected() -> None:
+    """The loop repairs its input in place after the forward: the replay sees finite data, so nothing is
+    invented; first_overflow() and diagnose() say where the sentinel saw it and that it was not reproduced."""
+    model = nn.Sequential(nn.Linear(3, 2))
+    with nantrace.watch(model, every=None) as tr, torch.no_grad():
+        for step in range(3):
+            x = torch.ones(2, 3)
+            if step == 1:
+                x[0, 0] = math.inf
+            model(x)
+            x.nan_to_num_(posinf=0.0)  # in place, after the forward; the step is checked at the next forward
+    assert tr.steps["recorded"].tolist() == ["watch", "not_reproduced", "watch"]
+    assert len(tr.records.query("n_posinf > 0 or n_nan > 0")) == 0
+    ov = tr.first_overflow()
+    assert _fields(ov) == (1, 0, "data", "", "Sequential", 0, "input[0]", "inf")
+    assert "did not reproduce" not in str(ov) and "recorded no non-finite value" in str(ov)
+    assert "changed in place" in str(ov)
+    d = tr.diagnose()
+    assert d.cause == "data" and _fields(d.overflow) == _fields(ov)
+    assert "replay did not reproduce it" in d.summary
+
+
+def test_default_every_records_step_0_and_100_in_full() -> None:
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nantrace.watch(model, optimizer=opt) as tr:
+        for _ in range(102):
+            opt.zero_grad()
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+    rec = tr.steps["recorded"]
+    assert rec[rec == "full"].index.tolist() == [0, 100]
+    assert (rec == "watch").sum() == 100
+    assert sorted(set(tr.records["step"].tolist())) == [0, 100]
+    assert tr.steps["grad_norm"].notna().all() and tr.steps["lr"].tolist() == [1e-3] * 102
+
+
+def test_watch_hooks_read_nothing_outside_the_host_copies() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=1)
+    x, y = torch.randn(32, 8) * 100, torch.randn(32, 4)
+    with (
+        nantrace.watch(model, scaler=scaler, optimizer=opt, sync_free=True, every=3) as tr,
+        watch_reads() as (violations, copies),
+    ):
+        for _ in range(4):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            scaler.scale(F.mse_loss(out.float(), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert violations == []
+    # per step: the flag read before optimizer.step() and the step's flush; the post-step parameter flag
+    # after a step the optimizer ran; step 0 and 3 in full (flush only)
+    assert tr.steps["recorded"].tolist()[0] == "full" and tr.steps["recorded"].tolist()[3] == "full"
+    assert copies[0] == 4 + 2 + sum(not s for s in tr.steps["skipped"].tolist()[1:3])
+
+
+@pytest.mark.parametrize("every", [0, -1, 1.5, True])
+def test_watch_every_must_be_a_positive_int_or_none(every: Any) -> None:
+    with pytest.raises(ValueError, match="every must be None"):
+        nantrace.watch(nn.Linear(1, 1), every=every)
+
+
+def test_watch_saves_and_loads_with_its_steps_column(tmp_path: Any) -> None:
+    tr = _zoo_twice(nantrace.watch)
+    back = nantrace.load(tr.save(tmp_path / "w.nantrace"))
+    assert back.steps["recorded"].tolist() == ["full", "watch", "replay"]
+    assert _fields(back.first_overflow()) == _fields(tr.first_overflow())
+    assert str(back.first_overflow()) == str(tr.first_overflow())
