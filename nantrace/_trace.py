@@ -342,11 +342,12 @@ class Trace:
         return _report.trace_html(self._view())
 
 
-def trace_of(recording: Recording) -> Trace:
-    """A :class:`Trace` around a recording that a front-end (``nantrace run``, a callback) made and drives."""
+def trace_of(recording: Recording, watch: Watch | None = None) -> Trace:
+    """A :class:`Trace` around a recording that a front-end (``nantrace run``, a callback) made and drives
+    (with the :class:`~nantrace._watch.Watch` that drives it, if any: ``Trace.step`` then goes through it)."""
     tr = Trace.__new__(Trace)
     tr._recording, tr._loaded, tr._live, tr._streamed = recording, None, None, None
-    tr._watch = None
+    tr._watch = watch
     return tr
 
 

@@ -201,6 +201,19 @@ class Watch:
             self._reset()
             self.r.exit(failed)
 
+    def pause(self) -> None:
+        """Check nothing and record nothing until :meth:`resume` (a callback between training steps)."""
+        self.live = False
+        self.r.pause()
+
+    def resume(self) -> None:
+        """Watch again after :meth:`pause`: the sentinel, and the recording on a full step."""
+        if self.r.closed or not self.r.entered:
+            return
+        self.live = True
+        if self.mode == "full":
+            self.r.resume()
+
     def _wrap_scaler(self, scaler: torch.amp.GradScaler) -> None:
         inner_step, inner_update, inner_scale = scaler.step, scaler.update, scaler.scale
 

@@ -444,3 +444,33 @@ def test_watch_saves_and_loads_with_its_steps_column(tmp_path: Any) -> None:
     assert back.steps["recorded"].tolist() == ["full", "watch", "replay"]
     assert _fields(back.first_overflow()) == _fields(tr.first_overflow())
     assert str(back.first_overflow()) == str(tr.first_overflow())
+
+
+# ------------------------------------------------------------------ front-ends
+def test_transformers_callback_with_watch_names_the_same_data_fault(tmp_path: Any) -> None:
+    pytest.importorskip("transformers")
+    from nantrace.integrations.transformers import NanTraceCallback
+    from tests import test_integration_transformers as hf
+
+    cb = NanTraceCallback(watch=True)
+    t = hf.trainer(tmp_path, cb)
+    t.train()
+    tr = cb.trace
+    hf.assert_data_fault(tr)
+    assert tr is not None
+    # step 0 in full, the clean steps watched, step 3 (the NaN batch) replayed; AdamW carries the NaN on
+    assert tr.steps["recorded"].tolist() == ["full", "watch", "watch", "replay", "replay"]
+    assert tr.steps["n_nonfinite"].tolist()[:3] == [0, 0, 0]
+    assert hf.training_logs(t)[1]["n_nonfinite"] == 0
+    hf.assert_data_fault(nantrace.load(tmp_path / "out" / "trace.nantrace"))
+    assert hf.hooks_left(t.model) == 0
+
+
+@pytest.mark.parametrize("watch", [0, -2, "yes", 1.5])
+def test_callback_watch_option_is_checked(watch: Any) -> None:
+    from nantrace.integrations._common import check_watch
+
+    with pytest.raises(ValueError, match="watch must be False"):
+        check_watch(watch)
+    assert check_watch(True) == 100 and check_watch(False) is False and check_watch(None) is None
+    assert check_watch(7) == 7

@@ -18,6 +18,7 @@ from .._errors import NantraceError
 from .._options import TraceOptions
 from .._recording import Recording
 from .._trace import Trace, trace_of
+from .._watch import DEFAULT_EVERY, Watch
 
 __all__ = [
     "LOG_KEYS",
@@ -26,6 +27,7 @@ __all__ = [
     "check_path",
     "check_stop",
     "check_tensorboard",
+    "check_watch",
     "traced",
     "unwrap_optimizer",
 ]
@@ -42,6 +44,25 @@ def traced(
 ) -> Recording:
     """A recording of ``model`` with the callback's trace options (not entered yet)."""
     return Recording(model, scaler=scaler, optimizer=optimizer, options=options)
+
+
+def check_watch(watch: bool | int | None) -> int | bool | None:
+    """A callback's ``watch=``: ``False`` (trace every step), ``True`` (``nantrace.watch`` with its default
+    ``every``), an int N ≥ 1 (``nantrace.watch(every=N)``) or ``None`` (watch, no periodic full step).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if watch is False:
+        return False
+    if watch is True:
+        return DEFAULT_EVERY
+    if watch is None or (isinstance(watch, int) and watch >= 1):
+        return watch
+    raise ValueError(
+        "watch must be False (trace every step), True (nantrace.watch, a full step every "
+        f"{DEFAULT_EVERY}), an int ≥ 1 (a full step every N) or None (only faulty steps); got {watch!r}"
+    )
 
 
 def check_stop(stop_on_overflow: bool | int) -> int:
@@ -91,9 +112,13 @@ class Session:
     steps are not recorded into the trace. :attr:`tr` is the :class:`~nantrace.Trace` the user reads.
     """
 
-    def __init__(self, rec: Recording, path: Path, tensorboard: Path | None = None) -> None:
+    def __init__(
+        self, rec: Recording, path: Path, tensorboard: Path | None = None, watch: int | bool | None = False
+    ) -> None:
         self.rec = rec
-        self.tr: Trace = trace_of(rec)
+        # with watch (see check_watch): the sentinel every step, a faulty step replayed (nantrace.watch)
+        self.watch = None if watch is False else Watch(rec, watch)
+        self.tr: Trace = trace_of(rec, self.watch)
         self.path = path
         self.tensorboard = tensorboard
         self.saved: Path | None = None
@@ -101,20 +126,28 @@ class Session:
         self._logged = 0  # steps rows already summarised into a log
         self._checked = 0  # steps rows already looked at by should_stop()
         self._bad_run = 0  # consecutive steps with a non-finite value, up to the last checked one
-        rec.enter()
-        rec.pause()
+        if self.watch is not None:
+            self.watch.enter()
+            self.watch.pause()
+        else:
+            rec.enter()
+            rec.pause()
 
     def recording(self, on: bool) -> None:
         """Record (True) or ignore (False) what the hooks see, until the next call; no-op once closed."""
         if self.closed:
             return
-        if on:
+        if self.watch is not None:
+            self.watch.resume() if on else self.watch.pause()
+        elif on:
             self.rec.resume()
         else:
             self.rec.pause()
 
     @property
     def active(self) -> bool:
+        if self.watch is not None:
+            return not self.closed and self.watch.live
         return not self.closed and self.rec.active
 
     def _rows(self, start: int) -> list[dict[str, Any]]:
@@ -160,7 +193,11 @@ class Session:
             return self.saved  # None if saving failed the first time (that error was raised then)
         self.closed = True
         try:
-            self.rec.exit(failed=exc is not None)
+            if self.watch is not None:
+                self.watch.resume()  # the open step is checked (and replayed) before the recording exits
+                self.watch.exit(failed=exc is not None)
+            else:
+                self.rec.exit(failed=exc is not None)
         finally:
             self.save()
         if self.tensorboard is not None:

@@ -24,6 +24,7 @@ from ._common import (
     check_path,
     check_stop,
     check_tensorboard,
+    check_watch,
     traced,
     unwrap_optimizer,
 )
@@ -77,6 +78,9 @@ class NanTraceCallback(pl.Callback):
             is also written there for TensorBoard by :meth:`nantrace.Trace.to_tensorboard` (tags
             ``nantrace/...``). Needs the ``tensorboard`` extra, checked here.
         modules, phases, sync_free, drill, every: passed to :func:`nantrace.trace`.
+        watch: ``False`` (default): trace every step in full. ``True``: :func:`nantrace.watch` (a nearly free
+            sentinel every step, the faulty step replayed in full, a full step every 100); an int N: watch
+            with a full step every N (``every`` then only shapes those); ``None``: watch, only faulty steps.
 
     Raises:
         ImportError: ``tensorboard`` is given but the tensorboard package is not installed.
@@ -97,6 +101,7 @@ class NanTraceCallback(pl.Callback):
         sync_free: bool | None = None,
         drill: bool = True,
         every: int = 1,
+        watch: bool | int | None = False,
     ) -> None:
         if root is not None and not isinstance(root, str):
             raise TypeError(f"root must be a submodule's qualified name (str) or None; got {root!r:.80}")
@@ -104,6 +109,7 @@ class NanTraceCallback(pl.Callback):
         self._stop_after = check_stop(stop_on_overflow)
         self._tensorboard = check_tensorboard(tensorboard)
         self._root = root
+        self._watch = check_watch(watch)
         self._options = TraceOptions(
             modules=modules, phases=phases, sync_free=sync_free, drill=drill, every=every
         )
@@ -142,7 +148,9 @@ class NanTraceCallback(pl.Callback):
             scaler = None
         log_dir = trainer.log_dir or trainer.default_root_dir  # log_dir is collective: every rank calls it
         path = self._path or Path(log_dir) / "trace.nantrace"
-        self._session = Session(traced(self._options, model, scaler, optimizer), path, self._tensorboard)
+        self._session = Session(
+            traced(self._options, model, scaler, optimizer), path, self._tensorboard, self._watch
+        )
         self._warned_no_forward = False
 
     def on_train_batch_start(

@@ -25,6 +25,7 @@ from ._common import (
     check_path,
     check_stop,
     check_tensorboard,
+    check_watch,
     traced,
     unwrap_optimizer,
 )
@@ -93,6 +94,9 @@ class NanTraceCallback(TrainerCallback):
             :meth:`nantrace.Trace.to_tensorboard` (tags ``nantrace/...``). Needs the ``tensorboard`` extra,
             checked here.
         modules, phases, sync_free, drill, every: passed to :func:`nantrace.trace`.
+        watch: ``False`` (default): trace every step in full. ``True``: :func:`nantrace.watch` (a nearly free
+            sentinel every step, the faulty step replayed in full, a full step every 100); an int N: watch
+            with a full step every N (``every`` then only shapes those); ``None``: watch, only faulty steps.
 
     Raises:
         ImportError: ``tensorboard`` is given but the tensorboard package is not installed.
@@ -112,10 +116,12 @@ class NanTraceCallback(TrainerCallback):
         sync_free: bool | None = None,
         drill: bool = True,
         every: int = 1,
+        watch: bool | int | None = False,
     ) -> None:
         self._path = check_path(trace_path, "trace_path")
         self._stop_after = check_stop(stop_on_overflow)
         self._tensorboard = check_tensorboard(tensorboard)
+        self._watch = check_watch(watch)
         self._options = TraceOptions(
             modules=modules, phases=phases, sync_free=sync_free, drill=drill, every=every
         )
@@ -159,7 +165,7 @@ class NanTraceCallback(TrainerCallback):
         path = self._path or out_dir / "trace.nantrace"
         rec = traced(self._options, model, scaler, opt)
         self._loss_sum = None
-        self._session = Session(rec, path, self._tensorboard)
+        self._session = Session(rec, path, self._tensorboard, self._watch)
         try:
             self._loss_hook = model.register_forward_hook(self._capture_loss)
         except BaseException as e:
