@@ -34,7 +34,7 @@ from torch import nn
 import nantrace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import make_transformer  # noqa: E402
+from overhead import make_transformer
 
 Step = Callable[[], None]
 

@@ -70,6 +70,7 @@ from ._recording import Recording, tracing
 from ._report import print_report
 from ._trace import Trace, trace_of
 from ._tree import flatten
+from ._watch import Watch
 
 __all__ = ["EXIT_INTERRUPTED", "RunResult", "run_script", "trace_file_name"]
 
@@ -123,8 +124,10 @@ def _reachable_params(loss: Any) -> set[int]:
 class _Session:
     """The global hooks and class patches of one ``nantrace run``; ``with`` installs and removes them."""
 
-    def __init__(self, trace_options: TraceOptions) -> None:
+    def __init__(self, trace_options: TraceOptions, watch: int | bool | None = False) -> None:
         self.options = trace_options
+        self.watch = watch  # False: trace every step; else nantrace.watch with this `every`
+        self.watches: dict[int, Watch] = {}  # id(recording) -> its Watch
         self.traces: list[tuple[str, Recording]] = []
         self.facades: dict[str, Trace] = {}
         self.classes: dict[str, str] = {}
@@ -162,7 +165,8 @@ class _Session:
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")  # "recorded nothing" cannot happen for a called root
-                        tr.exit(failed=False)
+                        w = self.watches.get(id(tr))
+                        w.exit(failed=False) if w is not None else tr.exit(failed=False)
                 except Exception as e:  # pragma: no cover - a trace that cannot close still gets reported
                     self.notes.append(f"closing a trace failed: {type(e).__name__}: {e}")
         finally:
@@ -283,11 +287,16 @@ class _Session:
             self.notes.append(f"`{name}` ({type(module).__name__}) was not traced: {e}")
             return
         scaler = self._latest_scaler()
-        tr.enter()
+        watch = None if self.watch is False else Watch(tr, self.watch)
+        if watch is not None:
+            self.watches[id(tr)] = watch
+            watch.enter()
+        else:
+            tr.enter()
         self.handled.add(module)  # a wrapper root (DDP) is not hooked itself: the model it wraps is
         tr.options["name"] = name
         self.traces.append((name, tr))
-        self.facades[name] = trace_of(tr)
+        self.facades[name] = trace_of(tr, watch)
         self.classes[name] = type(module).__name__
         for ref in self.optimizers:
             opt = ref()
@@ -320,7 +329,8 @@ class _Session:
         ids = {id(p) for g in opt.param_groups for p in g["params"]}
         for _, tr in self.traces:
             if tr.optimizer is None and not tr.closed and any(id(p) in ids for p in tr.root.parameters()):
-                tr.bind(optimizer=opt)
+                w = self.watches.get(id(tr))
+                w.bind(optimizer=opt) if w is not None else tr.bind(optimizer=opt)
 
     def _latest_scaler(self) -> torch.amp.GradScaler | None:
         for ref in reversed(self.scalers):
@@ -335,7 +345,8 @@ class _Session:
                 self._bind_scaler(tr, scaler)
 
     def _bind_scaler(self, tr: Recording, scaler: torch.amp.GradScaler) -> None:
-        tr.bind(scaler=scaler)
+        w = self.watches.get(id(tr))
+        w.bind(scaler=scaler) if w is not None else tr.bind(scaler=scaler)
         sharing = [t for _, t in self.traces if t.scaler is scaler]
         if len(sharing) > 1:
             for t in sharing:
@@ -460,6 +471,7 @@ def run_script(
     *,
     out: str | os.PathLike[str],
     options: TraceOptions | None = None,
+    watch: int | bool | None = False,
     **trace_options: Any,
 ) -> RunResult:
     """Run ``script`` with ``args`` as ``python script args`` would, tracing every root model it calls, and save
@@ -473,6 +485,8 @@ def run_script(
         script: path of the Python script.
         args: its command-line arguments (``sys.argv[1:]`` inside the script).
         out: an existing, writable directory for the trace files.
+        watch: ``False`` (default) traces every step in full; an int N (or ``None``) watches every root as
+            :func:`nantrace.watch` does with ``every=N`` (``None``: only the steps that go non-finite).
 
     Returns:
         a :class:`RunResult`; the exit code is the script's. Nothing the script raises escapes (its traceback is
@@ -490,7 +504,7 @@ def run_script(
     if not out_dir.is_dir() or not os.access(out_dir, os.W_OK):
         raise NantraceError(f"out {str(out_dir)!r} is not an existing writable directory; create it first")
     opts = options if options is not None else TraceOptions(**trace_options)  # checked before the script runs
-    with _Session(opts) as session:
+    with _Session(opts, watch) as session:
         code = _exec(path, args)
     paths: dict[str, Path] = {}
     for i, (name, _) in enumerate(session.traces):

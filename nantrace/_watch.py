@@ -181,8 +181,7 @@ class Watch:
         self.handles.append(root.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True))
         self.handles.append(root.register_forward_hook(self._post, with_kwargs=True, always_call=True))
         if r.optimizer is not None:
-            self.handles.append(r.optimizer.register_step_pre_hook(self._opt_pre))
-            self.handles.append(r.optimizer.register_step_post_hook(self._opt_post))
+            self._hook_optimizer(r.optimizer)
         if r.scaler is not None:
             self._wrap_scaler(r.scaler)
         self.live = True
@@ -200,6 +199,26 @@ class Watch:
             self.handles.clear()
             self._reset()
             self.r.exit(failed)
+
+    def bind(
+        self, *, scaler: torch.amp.GradScaler | None = None, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        """:meth:`Recording.bind <nantrace._recording.Recording.bind>`, and the sentinel's hooks on what it bound.
+
+        Raises:
+            NantraceError: the recording is not active (not entered, or closed).
+        """
+        r = self.r
+        had_scaler, had_optimizer = r.scaler, r.optimizer
+        r.bind(scaler=scaler, optimizer=optimizer)
+        if r.optimizer is not None and had_optimizer is None:
+            self._hook_optimizer(r.optimizer)
+        if r.scaler is not None and had_scaler is None:
+            self._wrap_scaler(r.scaler)
+
+    def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.handles.append(optimizer.register_step_pre_hook(self._opt_pre))
+        self.handles.append(optimizer.register_step_post_hook(self._opt_post))
 
     def pause(self) -> None:
         """Check nothing and record nothing until :meth:`resume` (a callback between training steps)."""

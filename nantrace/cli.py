@@ -181,6 +181,16 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     ru.add_argument(
         "--every", type=int, default=1, metavar="N", help="full statistics every N-th step (default: 1)"
     )
+    ru.add_argument(
+        "--watch",
+        type=int,
+        nargs="?",
+        const=100,
+        default=None,
+        metavar="N",
+        help="nantrace.watch: a cheap check every step, a faulty step replayed in full, a full step every N "
+        "(default N: 100)",
+    )
     ru.add_argument("--no-drill", action="store_true", help="do not replay a module call to name the op")
     ru.add_argument(
         "--sync-free", action="store_true", help="on-device statistics only, also for CPU tensors"
@@ -380,7 +390,11 @@ def _run(args: argparse.Namespace) -> int:
     out: Path = args.out if args.out is not None else _new_out_dir("run")
     if not _make_out(out):
         return EXIT_USAGE
-    result = run_script(script, args.args, out=out, options=options)
+    if args.watch is not None and args.watch < 1:
+        _err(f"--watch {args.watch!r}: N must be an int ≥ 1 (a full step every N steps)")
+        return EXIT_USAGE
+    watch = False if args.watch is None else args.watch
+    result = run_script(script, args.args, out=out, options=options, watch=watch)
     print_run_report(result, sys.stderr)
     if args.tensorboard is not None:
         several = len(result.traces) > 1

@@ -474,3 +474,48 @@ def test_callback_watch_option_is_checked(watch: Any) -> None:
         check_watch(watch)
     assert check_watch(True) == 100 and check_watch(False) is False and check_watch(None) is None
     assert check_watch(7) == 7
+
+
+_SCRIPT = """
+import math, torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+for step in range(5):
+    opt.zero_grad()
+    x = torch.randn(3, 4)
+    if step == 3:
+        x[1, 2] = math.nan
+    model(x).pow(2).mean().backward()
+    opt.step()
+"""
+
+
+def test_nantrace_run_watch_replays_the_faulty_step(tmp_path: Any) -> None:
+    from nantrace._run import run_script
+
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = run_script(script, out=out, watch=2)
+    assert result.exit_code == 0
+    (tr,) = result.traces.values()
+    assert tr.steps["recorded"].tolist() == ["full", "watch", "full", "replay", "full"]
+    assert _fields(tr.first_overflow()) == (3, 0, "data", "", "Sequential", 0, "input[0]", "nan")
+    (path,) = result.paths.values()
+    assert nantrace.load(path).steps["recorded"].tolist()[3] == "replay"
+
+
+def test_cli_run_watch_option(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from nantrace import cli
+
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    assert cli.main(["run", "--watch", "0", "--out", str(tmp_path / "o"), str(script)]) == 2
+    assert "--watch 0: N must be an int ≥ 1" in capsys.readouterr().err
+    assert cli.main(["run", "--watch", "--out", str(tmp_path / "o2"), str(script)]) == 0
+    (saved,) = (tmp_path / "o2").glob("*.nantrace")
+    steps = nantrace.load(saved).steps
+    assert steps["recorded"].tolist() == ["full", "watch", "watch", "replay", "replay"]
