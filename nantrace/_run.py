@@ -209,14 +209,15 @@ class _Session:
         self._wrap(torch.Tensor, "backward", after=None, before=self._on_backward)
 
     def _on_backward(self, loss: torch.Tensor) -> None:
-        takers = [t for _, t in self.traces if t.scaler is None and t.active]
+        takers = [t for _, t in self.traces if t.scaler is None and (t.active or id(t) in self.watches)]
         if not takers or loss.grad_fn is None or not loss.is_floating_point():
             return
         if len(self.traces) > 1:
             reached = _reachable_params(loss)
             takers = [t for t in takers if any(id(p) in reached for p in t.root.parameters())]
         for t in takers:
-            t.record_loss(loss)
+            w = self.watches.get(id(t))
+            w.record_loss(loss) if w is not None else t.record_loss(loss)
 
     # ------------------------------------------------------------------ guarded entry points
     def _guard(self, fn: Callable[..., None], *args: Any) -> None:

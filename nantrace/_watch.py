@@ -294,19 +294,23 @@ class Watch:
         if str(step) in self.sentinel:
             self.sentinel[str(step)]["recorded"] = recorded
 
-    def step(self, loss: torch.Tensor | None) -> None:
+    def step(self, loss: torch.Tensor | float | None) -> None:
         """``Trace.step`` under watch: the loss is checked; without scaler and optimizer the step closes.
 
         Raises:
-            TypeError: ``loss`` is not a tensor or None.
+            TypeError: ``loss`` is not a tensor, a Python number or None.
             NantraceError: not inside ``with``.
         """
         r = self.r
         if not self._watching():
             r.step(loss)
             return
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            loss = torch.tensor(float(loss))  # a loss already read with .item()
         if loss is not None and not isinstance(loss, torch.Tensor):
-            raise TypeError(f"loss must be a torch.Tensor or None; got {type(loss).__name__}")
+            raise TypeError(
+                f"loss must be a torch.Tensor, a Python float or None; got {type(loss).__name__}: {loss!r:.80}"
+            )
         if loss is not None:
             self._loss(loss)
         if r.scaler is None and r.optimizer is None:
@@ -320,7 +324,7 @@ class Watch:
         if not self.checked:
             self._check(None, scaled=r.scaler is not None)
         if self.param_flag is not None:
-            bad = self._first_bad([self.param_flag])
+            bad = _first_bad([self.param_flag])
             if bad is not None:
                 self._note(bad)
                 rec.active = True
@@ -393,6 +397,14 @@ class Watch:
 
         return eager(hook)
 
+    def record_loss(self, loss: Any) -> None:
+        """A loss seen by a front-end (``nantrace run`` sees ``loss.backward()``): checked on a watched step,
+        recorded on a full one; nothing while paused."""
+        if self._watching():
+            self._loss(loss)
+        elif self.live and not self.replaying:
+            self.r.record_loss(loss)
+
     def _loss(self, loss: Any) -> None:
         items = [(p, t) for p, t in flatten(loss, "loss") if t.is_floating_point() and t.numel()]
         micro = self.micro[-1] if self.micro else None
@@ -460,30 +472,10 @@ class Watch:
         if found_inf is not None:
             flagged = torch.where(found_inf.reshape(1) > 0, math.inf, 0.0)
             self.flags.append(_Flag("backward", max(len(self.micro) - 1, 0), ["found_inf"], flagged))
-        bad = self._first_bad(self.flags)
+        bad = _first_bad(self.flags)
         if bad is not None:
             self._note(bad)
             self._replay()
-
-    def _first_bad(self, flags: list[_Flag]) -> tuple[_Flag, int, float] | None:
-        """The first flag entry that is NaN or +inf (a ``-inf`` input is an attention mask), read in one copy."""
-        if not flags:
-            return None
-        host = _store.to_host([f.values for f in flags])  # the one read of the step's flags
-        pos = 0
-        for f in flags:
-            for i in range(len(f.paths)):
-                v = float(host[pos + i])
-                if math.isnan(v) or (v == math.inf) or (v == -math.inf and f.phase != "data"):
-                    if (
-                        f.tensors is not None
-                        and math.isinf(v)
-                        and _store.to_host([f.tensors[i].isfinite().all()])[0]
-                    ):
-                        continue  # an L2 norm of large finite values overflowed float32: not a fault
-                    return f, i, v
-            pos += len(f.paths)
-        return None
 
     def _note(self, bad: tuple[_Flag, int, float]) -> None:
         f, i, v = bad
@@ -533,7 +525,7 @@ class Watch:
         r.rec.active = True
         try:
             with _restored(r.root, params):
-                self._replay_micro_steps()
+                _replay_micro_steps(r, self.micro)
         except Exception as e:  # never raise into the user's loop
             warnings.warn(
                 f"nantrace.watch could not replay step {r.rec.step} ({e!r}); first_overflow() reports what the "
@@ -544,30 +536,55 @@ class Watch:
             self.replaying = False
             r.rec.active = False
 
-    def _replay_micro_steps(self) -> None:
-        r = self.r
-        outputs: dict[int, Any] = {}
-        for k, m in enumerate(self.micro):
-            torch.set_rng_state(m.rng)
-            if m.accel_rng is not None:
-                torch.cuda.set_rng_state_all(m.accel_rng)
-            with contextlib.ExitStack() as stack:
-                for device, enabled, dtype in m.autocast:
-                    stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
-                stack.enter_context(torch.set_grad_enabled(m.grad_enabled))
-                outputs[k] = r.root(*m.args, **m.kwargs)
-            for loss in m.losses:
-                r.record_loss(loss)
-            done = [j for j, mj in enumerate(self.micro) if mj.backward_after == k + 1]
-            self._replay_backward([(outputs[j], self.micro[j]) for j in done])
 
-    def _replay_backward(self, pairs: list[tuple[Any, _Micro]]) -> None:
-        tensors, grads = [], []
-        for out, m in pairs:
-            for path, t in flatten(out, "output"):
-                g = m.grads.get(path)
-                if g is not None and t.requires_grad:
-                    tensors.append(t)
-                    grads.append(g)
-        if tensors:
-            torch.autograd.backward(tensors, grads)
+def _replay_micro_steps(r: Recording, micros: list[_Micro]) -> None:
+    """Run the root forward of every micro-step again (its RNG state, autocast and grad mode restored), record
+    its losses, and run each backward where the real step ran it (after the forward it followed)."""
+    outputs: dict[int, Any] = {}
+    for k, m in enumerate(micros):
+        torch.set_rng_state(m.rng)
+        if m.accel_rng is not None:
+            torch.cuda.set_rng_state_all(m.accel_rng)
+        with contextlib.ExitStack() as stack:
+            for device, enabled, dtype in m.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            stack.enter_context(torch.set_grad_enabled(m.grad_enabled))
+            outputs[k] = r.root(*m.args, **m.kwargs)
+        for loss in m.losses:
+            r.record_loss(loss)
+        done = [j for j, mj in enumerate(micros) if mj.backward_after == k + 1]
+        _replay_backward([(outputs[j], micros[j]) for j in done])
+
+
+def _replay_backward(pairs: list[tuple[Any, _Micro]]) -> None:
+    """``torch.autograd.backward`` from the replayed outputs with the gradients the real outputs received."""
+    tensors, grads = [], []
+    for out, m in pairs:
+        for path, t in flatten(out, "output"):
+            g = m.grads.get(path)
+            if g is not None and t.requires_grad:
+                tensors.append(t)
+                grads.append(g)
+    if tensors:
+        torch.autograd.backward(tensors, grads)
+
+
+def _first_bad(flags: list[_Flag]) -> tuple[_Flag, int, float] | None:
+    """The first flag entry that is NaN or +inf (a ``-inf`` input is an attention mask), read in one copy."""
+    if not flags:
+        return None
+    host = _store.to_host([f.values for f in flags])  # the one read of the step's flags
+    pos = 0
+    for f in flags:
+        for i in range(len(f.paths)):
+            v = float(host[pos + i])
+            if math.isnan(v) or (v == math.inf) or (v == -math.inf and f.phase != "data"):
+                if (
+                    f.tensors is not None
+                    and math.isinf(v)
+                    and _store.to_host([f.tensors[i].isfinite().all()])[0]
+                ):
+                    continue  # an L2 norm of large finite values overflowed float32: not a fault
+                return f, i, v
+        pos += len(f.paths)
+    return None
