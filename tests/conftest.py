@@ -85,7 +85,15 @@ def steps_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     full = []
     for r in rows:
         row = {c: math.nan for c in STEP_COLUMNS}
-        row.update(skipped=None, growth_tracker=None, n_nonfinite=0, micro_steps=1, n_records=0, rank=0, recorded="full")
+        row.update(
+            skipped=None,
+            growth_tracker=None,
+            n_nonfinite=0,
+            micro_steps=1,
+            n_records=0,
+            rank=0,
+            recorded="full",
+        )
         row.update(r)
         full.append(row)
     df = pd.DataFrame(full, columns=list(STEP_COLUMNS))
