@@ -288,8 +288,14 @@ class Watch:
         did not reproduce the fault."""
         cols = self.r.store.step_rows.cols
         recorded = self.recorded
+        note = self.sentinel.get(str(step))
         if recorded in ("replay", "post_step") and cols["n_nonfinite"][-1] == 0:
-            recorded = "not_reproduced"
+            if note is not None and note.get("value") == "-inf" and cols["n_records"][-1] > 0:
+                del self.sentinel[
+                    str(step)
+                ]  # the replay recorded the -inf, and the mask rule judged it a mask
+            else:
+                recorded = "not_reproduced"
         cols["recorded"][-1] = float(RECORDED.index(recorded))
         if str(step) in self.sentinel:
             self.sentinel[str(step)]["recorded"] = recorded
@@ -500,6 +506,7 @@ class Watch:
             "module_type": module_type,
             "tensor": f.paths[i],
             "kind": "nan" if math.isnan(v) else "inf",
+            "value": "nan" if math.isnan(v) else "inf" if v > 0 else "-inf",
             "recorded": "replay",
         }
 

@@ -519,3 +519,27 @@ def test_cli_run_watch_option(tmp_path: Any, capsys: pytest.CaptureFixture[str])
     (saved,) = (tmp_path / "o2").glob("*.nantrace")
     steps = nantrace.load(saved).steps
     assert steps["recorded"].tolist() == ["full", "watch", "watch", "replay", "replay"]
+
+
+class MaskedLogits(nn.Module):
+    """Outputs an additive mask: 0 and a masked_fill(-inf) column (a tensor holding only 0 and -inf is a mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.tensor([False, False, False, True])
+        return (self.fc(x) * 0.0).masked_fill(mask, -math.inf)
+
+
+def test_a_masked_minus_inf_output_is_replayed_and_found_healthy() -> None:
+    model = MaskedLogits()
+    with nantrace.watch(model, every=None) as tr, torch.no_grad():
+        for _ in range(2):
+            model(torch.ones(2, 3))
+    # the sentinel cannot tell a mask's -inf from an overflow: each step is replayed, the locator decides
+    assert tr.steps["recorded"].tolist() == ["replay", "replay"]
+    assert tr.first_overflow() is None
+    assert tr.options["watch"]["sentinel"] == {}
+    assert tr.diagnose().cause == "healthy"
