@@ -1,8 +1,10 @@
 """The locator: plain pandas over ``records``, naming who *produced* the first non-finite value. It returns
 facts (:class:`Event`), never words: :mod:`nantrace._explain` writes them.
 
-Rules (from the design contract), applied to one step's rows in time order — data, forward in call order,
-loss, backward in execution order, optimizer — within each micro-step:
+Rules (from the design contract), applied to one step's rows in time order: execution order (``seq``) across
+the whole step, so a model called twice before one backward has its second call's data and forward before the
+first call's backward. When the first non-finite tensor holds both inf and NaN, the kind is inf (NaN follows
+from inf, never the reverse):
 
 1. A module call produced a kind (NaN, +inf, -inf) when its output holds it and none of its inputs did. Taken in
    time order, the first row holding a kind not seen before is exactly that output.
@@ -26,14 +28,14 @@ Each rank's own first producer of a step is found from its *local* rows (a trace
 Rows marked ``reduced`` hold parameter gradients after the cross-rank reduction (DDP all-reduce, FSDP
 reduce-scatter): a value a rank holds only there was *received*, not produced. Ranks run concurrently and
 their clocks are not comparable, so the producers of one step are ordered by the key
-``(step, micro_step, phase, seq, rank)``:
+``(step, seq, phase, rank)``:
 
 1. the same step first: within a step ranks exchange values only through the gradient reduction at the end of
    backward (and, under FSDP, parameter all-gathers that carry the previous step's optimizer result);
-2. then the pipeline phase order ``data → forward → loss → backward → optimizer`` (micro-step first);
-3. then ``seq``, the position in the step's execution order: every rank runs the same program, so equal
+2. then ``seq``, the position in the step's execution order: every rank runs the same program, so equal
    positions are the same tensor on every rank (on the in-between steps of ``every=N`` only non-finite tensors
-   are numbered, so there the position is among those);
+   are numbered on the host path, so there the position is among those);
+3. then the pipeline phase order ``data → forward → loss → backward → optimizer``;
 4. then the lowest rank: two ranks that produced the same event independently are both producers.
 
 When every rank's local rows are finite but the reduced gradients are not, the reduction itself produced the
@@ -53,7 +55,7 @@ import pandas as pd
 from ._masks import is_mask
 from ._schema import PHASE_RANK, DType
 
-__all__ = ["Event", "Finding", "find", "overflow_fields", "rank_events"]
+__all__ = ["KIND_PRIORITY", "Event", "Finding", "by_priority", "find", "overflow_fields", "rank_events"]
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,15 @@ class Event:
 
     @property
     def key(self) -> tuple[int, int, int, int, int]:
-        """The cross-rank ordering key ``(step, micro_step, phase order, seq, rank)``."""
+        """``(step, micro_step, phase order, seq, rank)``: where the event happened (the live check's flags)."""
         r = self.row
         return (int(r["step"]), int(r["micro_step"]), PHASE_RANK[str(r["phase"])], int(r["seq"]), self.rank)
+
+    @property
+    def order(self) -> tuple[int, int, int, int]:
+        """The cross-rank ordering key ``(step, seq, phase order, rank)`` (module docstring)."""
+        r = self.row
+        return (int(r["step"]), int(r["seq"]), PHASE_RANK[str(r["phase"])], self.rank)
 
 
 @dataclass(frozen=True)
@@ -103,9 +111,21 @@ class Finding:
     n_ranks: int = 1
 
 
+# When one tensor holds several kinds, the kind reported: inf before NaN (NaN follows from inf: inf - inf,
+# 0 * inf; never the reverse), so the answer does not depend on which elements a kernel happened to combine.
+KIND_PRIORITY: tuple[str, ...] = ("posinf", "neginf", "nan")
+
+
+def by_priority(kinds: Any) -> list[str]:
+    """``kinds`` (an iterable of ``"nan"``/``"posinf"``/``"neginf"``) in reporting order: inf before NaN."""
+    present = set(kinds)
+    return [k for k in KIND_PRIORITY if k in present]
+
+
 def _ordered(step_df: pd.DataFrame) -> pd.DataFrame:
-    rank = step_df["phase"].astype(str).map(PHASE_RANK).to_numpy()
-    return step_df.assign(_rank=rank).sort_values(["micro_step", "_rank", "seq"], kind="stable")
+    """One step's rows in execution order: ``seq`` runs across the whole step, so a model called twice
+    before one backward has its second call's data and forward before the first call's backward."""
+    return step_df.sort_values("seq", kind="stable")
 
 
 def _op_rows(
@@ -147,7 +167,7 @@ def first_in_step(
     extra = _op_rows(df, wanted, ops)
     masked = False  # an attention mask's -inf is around: passing it on (in activations) is not producing it
     for i in range(len(df)):
-        kinds = [k for k in wanted if has[k][i]]
+        kinds = by_priority(k for k in wanted if has[k][i])
         if mask[i]:
             masked = True
         if masked and activation[i]:
@@ -307,7 +327,7 @@ def find(
     n = len(ranks)
     found: list[Finding] = []
     for step in sorted(events):
-        evs = sorted(events[step], key=lambda e: e.key)
+        evs = sorted(events[step], key=lambda e: e.order)
         holders = tuple(e.rank for e in evs)
         if per_rank:
             mine = sorted(evs, key=lambda e: e.rank)
