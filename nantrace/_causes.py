@@ -216,7 +216,11 @@ def _weights_evidence(
     limit = dtype_max(dtype)
     prefix = f"{ev.module}." if ev.module else ""
     evidence: list[str] = []
-    made = "inf·0 or inf−inf then gives NaN" if ev.kind == "nan" else "and inf times the inputs gives inf"
+    out = run.records[
+        (run.phase == "forward") & (run.module == ev.module) & run.is_output & (run.step == ev.step)
+    ]
+    nan_out = ev.kind == "nan" or bool(len(out) and out["n_nan"].sum() > 0 and out["n_posinf"].sum() == 0)
+    made = "inf·0 or inf−inf then gives NaN" if nan_out else "and inf times the inputs gives inf"
     for pname, pdtype, absmax, since in beyond:
         if live:
             last = run.records[

@@ -114,6 +114,12 @@ def _climb(records: pd.DataFrame, module: str, step: int) -> str:
     return f" Its output absmax had grown every step since step {s0} ({num(vals[i])} → {num(vals[-1])})."
 
 
+def _only_nan_out(ev: Event) -> bool:
+    """The op made inf, and the call's output holds it only as the NaN it turned into (inf·0, inf−inf)."""
+    row = ev.row
+    return ev.raw_kind != "nan" and int(row["n_nan"]) > 0 and int(row[f"n_{ev.raw_kind}"]) == 0
+
+
 def _forward_inputs(ev: Event) -> pd.DataFrame:
     step_df, micro, call, module = (
         ev.step_rows,
@@ -177,7 +183,7 @@ def _forward(view: RunView, ev: Event) -> str:
     if beyond:  # float32 weights above the output dtype's max: autocast's cast to it made them inf
         made = (
             "then inf·0 or inf−inf gives NaN"
-            if ev.raw_kind == "nan"
+            if ev.raw_kind == "nan" or _only_nan_out(ev)
             else f"inf times its inputs gives {what}"
         )
         return (
@@ -365,6 +371,7 @@ def hunt_hint(view: RunView, ev: Event) -> str:
     names = ev.step_rows["module"].astype(str).unique()
     n_sub = sum(1 for n in names if n != module and n.startswith(prefix))
     internal = phase == "forward" and ev.op is not None and int(ev.row[f"n_{ev.raw_kind}"]) == 0
+    internal = internal and not _only_nan_out(ev)  # carried into the output as NaN: the op is the answer
     mtype = str(f["module_type"])
     is_builtin = view.model.builtin(module) if view.model is not None else None
     if is_builtin is None:

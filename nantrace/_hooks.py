@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from ._naming import positional_names
@@ -53,7 +54,7 @@ class FirstNonfinite(TorchFunctionMode):
     call's input kinds): one of its outputs holds it and none of its inputs did, a non-finite scalar argument
     counting as an input (:func:`nantrace._stats.op_input_kinds`, the rule of :func:`nantrace.hunt`). So
     ``masked_fill(mask, -inf)`` does not produce its -inf, while ``softmax`` of a fully masked row produces
-    NaN. ``found`` is ``(op name, kind)``; of several new kinds, ``"nan"`` is named first."""
+    NaN. ``found`` is ``(op name, kind)``; of several new kinds, inf is named before NaN (NaN follows from inf)."""
 
     def __init__(self, known: frozenset[str]) -> None:
         super().__init__()
@@ -70,7 +71,31 @@ class FirstNonfinite(TorchFunctionMode):
             new = tensor_kinds(t) - before - self.known
             if new:
                 name = getattr(func, "__name__", None) or str(func)
-                self.found = (name, next(k for k in ("nan", "posinf", "neginf") if k in new))
+                self.found = (name, next(k for k in ("posinf", "neginf", "nan") if k in new))
+                raise _Stop
+        return out
+
+
+CAST_OP = "aten._to_copy"  # the name the drill-down gives a dtype cast it saw make a kind (autocast's casts)
+
+
+class CastWatch(TorchDispatchMode):
+    """The dispatch-level half of the drill-down: autocast casts a float32 weight to float16 below
+    ``__torch_function__`` (``linear`` is one op there), as ``aten._to_copy``. A cast whose output holds a
+    kind that its input and the call's inputs (``known``) did not is the producing op: ``found`` becomes
+    ``(CAST_OP, kind)`` (inf before NaN) and the replay stops. Every other aten op is passed through."""
+
+    def __init__(self, known: frozenset[str]) -> None:
+        super().__init__()
+        self.known = known
+        self.found: tuple[str, str] | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args and describable(args[0]) and describable(out):
+            new = tensor_kinds(out) - tensor_kinds(args[0]) - self.known
+            if new:
+                self.found = (CAST_OP, next(k for k in ("posinf", "neginf", "nan") if k in new))
                 raise _Stop
         return out
 
@@ -268,25 +293,31 @@ class Recorder:
     ) -> None:
         """Re-run ``module`` on copies of the same inputs and of its buffers (``torch.func.functional_call``),
         with recording off, no autograd and the CPU RNG state forked, to find the first torch op that made a new
-        non-finite kind. The user's tensors, buffers and RNG state are not touched.
+        non-finite kind, at the ``__torch_function__`` level (:class:`FirstNonfinite`) and, for dtype casts
+        such as autocast's, at the dispatch level (:class:`CastWatch`, which sees the cast first). The user's
+        tensors, buffers and RNG state are not touched.
 
         Only used on the host path (CPU tensors), only for the call where a kind first appears in a
         micro-step. Best effort: any error during the replay is swallowed and nothing is recorded.
         """
         buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-        mode = FirstNonfinite(known)
+        # detached parameters: autocast caches its casts of leaf parameters that require grad, and a cached
+        # cast is not run again, so the replay would not see autocast cast a weight beyond the dtype's max
+        buffers.update((name, p.detach()) for name, p in module.named_parameters())
+        mode, cast = FirstNonfinite(known), CastWatch(known)
         self.active = False
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 args_c, kwargs_c = clone_tree(args), clone_tree(kwargs)
-                with mode:
+                with mode, cast:
                     torch.func.functional_call(module, buffers, tuple(args_c), dict(kwargs_c), strict=False)
         except Exception:
             pass
         finally:
             self.active = True
-        if mode.found is not None:
-            op, kind = mode.found
+        found = cast.found or mode.found
+        if found is not None:
+            op, kind = found
             self.store.ops.append((self.step, max(self.micro, 0), mcode, call, op, kind))
 
     # ------------------------------------------------------------ hook factories

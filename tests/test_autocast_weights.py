@@ -67,11 +67,11 @@ def test_grown_weights_explained() -> None:
         "forward",
         "0",
         "Linear",
-        "nan",
+        "inf",
         "float16",
     )
     assert str(ov).startswith(
-        "At step 2, `0` (Linear, call 0) produced NaN in `linear` inside its forward (float16), from finite "
+        "At step 2, `0` (Linear, call 0) produced +inf in `aten._to_copy` inside its forward (float16), from finite "
         "inputs (input absmax 1): its float32 weights exceed float16's 65504 (`0.weight` absmax 1.5e+05 since "
         "step 1), so autocast's cast to float16 made them inf; then inf·0 or inf−inf gives NaN. Lower the "
         "learning rate, add weight decay or clip gradients so the weights stay well below 65504; or keep `0` in "
@@ -105,13 +105,10 @@ def test_planted_weights_read_live_at_diagnose_time() -> None:
     assert tr.steps["skipped"].tolist() == [False, True, True]
     assert weights_beyond(tr.records, "0", 1, "float16") == []  # the optimizer row of step 0 shows 1.5
     ov = tr.first_overflow()
-    assert ov is not None and (ov.step, ov.module, ov.kind) == (1, "0", "nan")
+    assert ov is not None and (ov.step, ov.module, ov.kind) == (1, "0", "inf")
     assert str(ov).startswith(
-        "At step 1, `0` (Linear, call 0) produced NaN in `linear` inside its forward (float16), from inputs "
-        "holding no inf/NaN: for a Linear that points to non-finite weights, not to an op such as 0/0; under "
-        "autocast a float32 weight above 65504 becomes inf when cast to float16 (no optimizer row before step 1 "
-        "shows one: check the absmax of `0`'s weights, diagnose() reads it from a live trace). Finite input "
-        "absmax 1."
+        "At step 1, `0` (Linear, call 0) produced +inf in `aten._to_copy` inside its forward (float16), from "
+        "finite inputs (input absmax 1)"
     )
     d = diagnose(tr)
     assert d.cause == "forward_overflow"
@@ -124,16 +121,14 @@ def test_planted_weights_read_live_at_diagnose_time() -> None:
     assert d.advice[0].startswith("Find what set the weights of `0` (`0.weight`) above 65504")
 
 
-def test_planted_weights_unknown_in_a_loaded_trace(tmp_path: Path) -> None:
-    """A loaded trace has no live model: the weights cannot be known, so it stays invalid_op."""
+def test_planted_weights_loaded_trace_keeps_the_cast(tmp_path: Path) -> None:
+    """A loaded trace has no live model, but the drill-down's op table says autocast's cast made the inf: it
+    stays forward_overflow, as live (issue 18 item 9)."""
     tr = _run(plant=True)
     loaded = nantrace.load(tr.save(tmp_path / "t"))
     d = diagnose(loaded)
-    assert d.cause == "invalid_op"
-    assert d.evidence[0] == (
-        "`0` (Linear, call 0) at step 1 produced NaN in `output` (float16) from inputs holding no NaN (finite "
-        "absmax 1, no -inf)"
-    )
+    assert (d.cause, diagnose(tr).cause) == ("forward_overflow", "forward_overflow")
+    assert "the forward replay names the op: `aten._to_copy`" in d.evidence
 
 
 def test_grown_weights_giving_inf() -> None:
