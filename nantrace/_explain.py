@@ -16,6 +16,7 @@ import torch
 
 from ._errors import NantraceError
 from ._fmt import module_label, num
+from ._hooks import CAST_OP
 from ._locate import Event, Finding, find
 from ._masks import is_mask
 from ._overflow import Overflow
@@ -371,7 +372,7 @@ def hunt_hint(view: RunView, ev: Event) -> str:
     names = ev.step_rows["module"].astype(str).unique()
     n_sub = sum(1 for n in names if n != module and n.startswith(prefix))
     internal = phase == "forward" and ev.op is not None and int(ev.row[f"n_{ev.raw_kind}"]) == 0
-    internal = internal and not _only_nan_out(ev)  # carried into the output as NaN: the op is the answer
+    internal = internal and ev.op != CAST_OP  # autocast's cast of a weight: the layer is the answer
     mtype = str(f["module_type"])
     is_builtin = view.model.builtin(module) if view.model is not None else None
     if is_builtin is None:
