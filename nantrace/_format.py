@@ -24,6 +24,7 @@ import torch
 
 from ._errors import NantraceError
 from ._files import atomic_write
+from ._schema import RECORD_COLUMNS
 from ._store import canonical_records, canonical_steps, category_index, segment_dir
 
 __all__ = [
@@ -246,17 +247,42 @@ def _plain(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+_TEXT = ("phase", "module", "module_type", "tensor", "dtype", "shape", "parent", "arg")
+
+
+def _check_types(table: Any) -> None:
+    """Raise ``ValueError`` when a column has a type no nantrace writer gives it (a flipped type in a file)."""
+    pa, _ = _pa()
+    for f in table.schema:
+        t = f.type.value_type if pa.types.is_dictionary(f.type) else f.type
+        ok = (
+            (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t))
+            if f.name in _TEXT
+            else (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t))
+        )
+        if not ok:
+            raise ValueError(f"column {f.name!r} has type {f.type}")
+
+
 def _plain_records(p: Path) -> pd.DataFrame:
     _, pq = _pa()
     try:
         table = pq.read_table(p, page_checksum_verification=True)
+        _check_types(table)
+        df = table.to_pandas(ignore_metadata=True)
+        extra = sorted(set(df.columns) - set(RECORD_COLUMNS))
+        missing = sorted(
+            set(RECORD_COLUMNS) - set(df.columns) - {"rank", "reduced"}
+        )  # older files lack those
+        if extra or missing:
+            raise ValueError(f"unexpected columns {extra}, missing {missing}")
     except FileNotFoundError:
         raise
     except Exception as e:  # pyarrow raises OSError or ArrowInvalid with no file name
         raise NantraceError(
             f"{str(p)!r} is damaged: its records do not read ({e}); restore it from a copy"
         ) from None
-    return table.to_pandas()
+    return df
 
 
 def read_trace(path: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict[str, Any]]:
