@@ -44,8 +44,8 @@ import importlib.machinery
 import inspect
 import io
 import os
-import signal
 import runpy
+import signal
 import sys
 import traceback
 import types

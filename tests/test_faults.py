@@ -129,7 +129,7 @@ def test_streamed_files_get_the_ordinary_mode(tmp_path: Path) -> None:
     umask = os.umask(0o022)
     try:
         with nantrace.trace(m, path=path, flush_every=1):
-            for step in range(2):
+            for _step in range(2):
                 with torch.no_grad():
                     m(torch.ones(1, 2))
         assert (path.stat().st_mode & 0o777) == 0o644
@@ -253,7 +253,7 @@ def test_nantrace_run_under_sigterm_saves_and_reports(tmp_path: Path) -> None:
 def test_run_and_demo_refuse_to_overwrite_an_earlier_trace(
     saved: tuple[Path, nantrace.Trace], tmp_path: Path
 ) -> None:
-    path, good = saved
+    _path, good = saved
     out = tmp_path / "out"
     out.mkdir()
     good.save(out / "trace.nantrace")
