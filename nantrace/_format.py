@@ -24,7 +24,8 @@ import torch
 
 from ._errors import NantraceError
 from ._files import atomic_write
-from ._store import canonical_records, canonical_steps, category_index
+from ._schema import RECORD_COLUMNS
+from ._store import canonical_records, canonical_steps, category_index, segment_dir
 
 __all__ = [
     "FORMAT_VERSION",
@@ -35,6 +36,8 @@ __all__ = [
     "read_meta",
     "read_records",
     "read_trace",
+    "segments",
+    "streamed_records",
     "write_trace",
 ]
 
@@ -104,8 +107,17 @@ def make_header(
 
 
 def footer(header: dict[str, Any], steps: pd.DataFrame, ops: pd.DataFrame) -> bytes:
-    """The nantrace metadata of a trace file: JSON header, and ``steps``/``ops`` as Arrow IPC."""
-    return json.dumps({"header": header, "steps": _ipc(steps), "ops": _ipc(ops)}).encode("utf-8")
+    """The nantrace metadata of a trace file: JSON header, ``steps``/``ops`` as Arrow IPC, and ``sha256``, the
+    digest of the three that :func:`read_meta` verifies (the records pages carry parquet page CRCs)."""
+    meta = {"header": header, "steps": _ipc(steps), "ops": _ipc(ops)}
+    return json.dumps({**meta, "sha256": _digest(meta)}).encode("utf-8")
+
+
+def _digest(meta: dict[str, Any]) -> str:
+    import hashlib
+
+    text = json.dumps([meta["header"], meta["steps"], meta["ops"]], sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def write_trace(
@@ -117,7 +129,9 @@ def write_trace(
     schema_meta = dict(table.schema.metadata or {})
     schema_meta[MAGIC] = footer(header, steps, ops)
     table = table.replace_schema_metadata(schema_meta)
-    return atomic_write(target, lambda f: pq.write_table(table, f, compression="zstd"))
+    return atomic_write(
+        target, lambda f: pq.write_table(table, f, compression="zstd", write_page_checksum=True)
+    )
 
 
 def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -142,17 +156,22 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise TypeError(f"path must be a str or os.PathLike; got {type(path).__name__}: {path!r:.80}")
     p = Path(path).expanduser()
     if not p.exists():
+        segs = segments(p)
+        if segs:
+            return read_meta(segs[-1])
         raise FileNotFoundError(f"no such trace file: {str(p)!r}")
     _, pq = _pa()
     try:
-        file_meta = pq.ParquetFile(p).metadata.metadata
+        file_meta = pq.ParquetFile(p, page_checksum_verification=True).metadata.metadata
     except Exception as e:
         if _is_repro(p):
             raise NantraceError(
                 f"{str(p)!r} is a nantrace reproducer (written by save_repro), not a trace: rebuild it with "
                 "nantrace.load_repro(path)"
             ) from None
-        raise NantraceError(f"{str(p)!r} is not a nantrace trace (not a parquet file: {e})") from None
+        raise NantraceError(
+            f"{str(p)!r} is not a nantrace trace, or a damaged one (it does not read as parquet: {e})"
+        ) from None
     raw = (file_meta or {}).get(MAGIC)
     if raw is None:
         raise NantraceError(f"{str(p)!r} is a parquet file but not a nantrace trace (no nantrace metadata)")
@@ -165,6 +184,11 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise NantraceError(
             f"{str(p)!r} was written in trace format {fmt} by nantrace {meta['header'].get('nantrace')}; "
             f"this nantrace reads format {FORMAT_VERSION}. Load it with a matching nantrace version."
+        )
+    if "sha256" in meta and meta["sha256"] != _digest(meta):
+        raise NantraceError(
+            f"{str(p)!r} is damaged: its nantrace metadata does not match its checksum (the file changed after "
+            "it was written); restore it from a copy"
         )
     return dict(meta)
 
@@ -182,17 +206,128 @@ def _is_repro(p: Path) -> bool:
         return False
 
 
+def segments(path: Path) -> list[Path]:
+    """The flushed segment files of a streamed trace at ``path`` that was not closed (a killed run), in order;
+    empty when there are none. Temporary files of an interrupted segment write are not segments."""
+    folder = segment_dir(path)
+    if not folder.is_dir():
+        return []
+    return sorted(folder.glob("[0-9]*.nantrace"))
+
+
 def read_records(path: str | os.PathLike[str]) -> pd.DataFrame:
-    """The ``records`` table of a trace file (written by ``save`` or streamed with ``trace(path=...)``)."""
+    """The ``records`` table of a trace file (written by ``save`` or streamed with ``trace(path=...)``; the
+    segments of a stream that was never closed).
+
+    Raises:
+        NantraceError: the file is damaged (a page fails its checksum, or it does not decode); names the file.
+    """
+    p = Path(path).expanduser()
+    if not p.exists() and segments(p):
+        return canonical_records(pd.concat([_plain_records(s) for s in segments(p)], ignore_index=True))
+    return canonical_records(_plain_records(p))
+
+
+def streamed_records(path: Path, in_memory: pd.DataFrame) -> pd.DataFrame:
+    """Every record of a closed streaming recording: what reached ``path`` (the file, else its segments, else
+    nothing when every write failed) followed by ``in_memory``, the rows never written."""
+    if not path.exists() and not segments(path):
+        return in_memory
+    on_disk = read_records(path)
+    if not len(in_memory):
+        return on_disk
+    return canonical_records(pd.concat([_plain(on_disk), _plain(in_memory)], ignore_index=True))
+
+
+def _plain(df: pd.DataFrame) -> pd.DataFrame:
+    out = df.copy()
+    for c in out.columns:
+        if isinstance(out[c].dtype, pd.CategoricalDtype):
+            out[c] = out[c].astype(object).where(out[c].notna(), None)
+    return out
+
+
+_TEXT = ("phase", "module", "module_type", "tensor", "dtype", "shape", "parent", "arg")
+
+
+def _check_types(table: Any) -> None:
+    """Raise ``ValueError`` when a column has a type no nantrace writer gives it (a flipped type in a file)."""
+    pa, _ = _pa()
+    for f in table.schema:
+        t = f.type.value_type if pa.types.is_dictionary(f.type) else f.type
+        ok = (
+            (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t))
+            if f.name in _TEXT
+            else (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t))
+        )
+        if not ok:
+            raise ValueError(f"column {f.name!r} has type {f.type}")
+
+
+def _plain_records(p: Path) -> pd.DataFrame:
     _, pq = _pa()
-    return canonical_records(pq.read_table(Path(path).expanduser()).to_pandas())
+    try:
+        table = pq.read_table(p, page_checksum_verification=True)
+        _check_types(table)
+        df = table.to_pandas(ignore_metadata=True)
+        extra = sorted(set(df.columns) - set(RECORD_COLUMNS))
+        missing = sorted(
+            set(RECORD_COLUMNS) - set(df.columns) - {"rank", "reduced"}
+        )  # older files lack those
+        if extra or missing:
+            raise ValueError(f"unexpected columns {extra}, missing {missing}")
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # pyarrow raises OSError or ArrowInvalid with no file name
+        raise NantraceError(
+            f"{str(p)!r} is damaged: its records do not read ({e}); restore it from a copy"
+        ) from None
+    return df
 
 
 def read_trace(path: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict[str, Any]]:
-    """``records, steps, ops, header`` of one trace file (see :func:`read_meta` for what is raised)."""
-    meta = read_meta(path)
+    """``records, steps, ops, header`` of one trace file, or of the flushed segments of a streamed trace that
+    was never closed (a ``UserWarning`` says so). See :func:`read_meta` and :func:`read_records` for what is
+    raised."""
+    meta = read_meta(path)  # checks the type of ``path`` first
+    path = Path(path).expanduser()
+    if not path.exists():
+        return _read_segments(path)  # read_meta found its segments
     records = read_records(path)
-    steps = from_ipc(meta["steps"])
+    try:
+        steps = from_ipc(meta["steps"])
+        ops = from_ipc(meta["ops"])
+    except Exception as e:
+        raise NantraceError(f"{str(path)!r} is damaged: its steps/ops tables do not decode ({e})") from None
+    return _finish(records, steps, ops, meta)
+
+
+def _finish(
+    records: pd.DataFrame, steps: pd.DataFrame, ops: pd.DataFrame, meta: dict[str, Any]
+) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict[str, Any]]:
     if "rank" not in steps.columns:  # written before the rank column existed: one process, rank 0
         steps["rank"] = pd.array([meta["header"].get("rank") or 0] * len(steps), dtype="int32")
-    return records, canonical_steps(steps), from_ipc(meta["ops"]), dict(meta["header"])
+    return records, canonical_steps(steps), ops, dict(meta["header"])
+
+
+def _read_segments(path: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict[str, Any]]:
+    """A streamed trace that was never closed, joined from its segments (each a complete trace file)."""
+    import warnings
+
+    segs = segments(path)
+    metas = [read_meta(s) for s in segs]
+    records = read_records(path)
+    steps = pd.concat([from_ipc(m["steps"]) for m in metas], ignore_index=True)
+    ops = pd.concat([from_ipc(m["ops"]) for m in metas], ignore_index=True)
+    meta = dict(metas[-1])
+    head = dict(meta["header"])
+    head["dtypes"] = sorted({d for m in metas for d in m["header"].get("dtypes", [])})
+    head["incomplete"] = True
+    meta["header"] = head
+    warnings.warn(
+        f"{str(path)!r} was not closed (the run was killed?): loading the {len(steps)} step(s) flushed to "
+        f"{len(segs)} segment(s) in {str(segment_dir(path))!r}; steps after the last flush are lost.",
+        UserWarning,
+        stacklevel=4,
+    )
+    return _finish(records, steps, ops, meta)

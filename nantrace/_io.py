@@ -44,6 +44,7 @@ def save_view(view: RunView, path: str | os.PathLike[str], *, recording: bool) -
         target = part_target(path, m.rank, m.world_size)  # one part per rank in a folder at ``path``
     else:
         target = check_target(path)
+    _refuse_non_trace(target)
     records = view.records
     head = make_header(
         model_class=m.model_class,
@@ -55,6 +56,19 @@ def save_view(view: RunView, path: str | os.PathLike[str], *, recording: bool) -
         bad_samples=m.bad_samples,
     )
     return write_trace(target, records, view.steps, view.ops, head)
+
+
+def _refuse_non_trace(target: Path) -> None:
+    """Raise ``NantraceError`` when ``target`` is an existing file that is not a readable nantrace trace."""
+    if not target.is_file():
+        return
+    try:
+        read_meta(target)
+    except NantraceError as e:
+        raise NantraceError(
+            f"path {str(target)!r} exists and is not a nantrace trace, so Trace.save does not replace it ({e}); "
+            "choose another path, or delete the file first"
+        ) from None
 
 
 def load_view(path: str | os.PathLike[str]) -> RunView:

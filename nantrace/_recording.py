@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -149,7 +150,7 @@ class Recording:
         self.rec.capture = self.capture
         self.samples = SampleWatch(bool(options.sync_free), self.rank)
         if self.stream_path is not None:
-            self.store.stream_to(self.stream_path, options.flush_every)
+            self.store.stream_to(self.stream_path, options.flush_every, self._stream_meta)
         self.patched: list[tuple[object, str, bool, Any]] = []
         self.observers: list[StepObserver] = []
         self.entered = False
@@ -323,17 +324,38 @@ class Recording:
                     stacklevel=3,
                 )
             if self.stream_path is not None:
-                records = self.store.records()
-                head = make_header(
-                    model_class=self.model_class,
-                    options=self.options,
-                    records=records,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    run_id=self.run_id,
-                    bad_samples=self.samples.rows,
-                )
-                self.store.close_stream({MAGIC: footer(head, self.store.steps(), self.store.ops_frame())})
+                self._close_stream()
+
+    def _stream_meta(self, dtypes: list[str], steps: Any, ops: Any) -> dict[bytes, bytes]:
+        """The nantrace metadata of a streamed file or segment holding ``steps``/``ops`` rows."""
+        head = make_header(
+            model_class=self.model_class,
+            options=self.options,
+            records=pd.DataFrame({"dtype": dtypes}),
+            rank=self.rank,
+            world_size=self.world_size,
+            run_id=self.run_id,
+            bad_samples=self.samples.rows,
+        )
+        return {MAGIC: footer(head, steps, ops)}
+
+    def _close_stream(self) -> None:
+        """Complete the streamed file; a write that failed is reported here (a warning), never raised."""
+        store = self.store
+        written = store.close_stream()
+        if written and store.stream_error is None and not store.stream_lost_steps:
+            return
+        lost = f"; {store.stream_lost_steps} step(s) were dropped from memory while the writes failed" * bool(
+            store.stream_lost_steps
+        )
+        where = (
+            f"it is complete now after earlier write errors (last: {store.stream_error})"
+            if written
+            else f"it could not be completed ({store.stream_error}); nantrace.load({str(self.stream_path)!r}) "
+            "reads the flushed segments, and the steps never written are only in this process (Trace.save "
+            "them to another disk)"
+        )
+        warnings.warn(f"nantrace: the streamed trace {str(self.stream_path)!r}: {where}{lost}.", stacklevel=4)
 
     def _attach(self) -> None:
         rec, store = self.rec, self.store

@@ -45,13 +45,14 @@ import inspect
 import io
 import os
 import runpy
+import signal
 import sys
 import traceback
 import types
 import warnings
 import weakref
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
@@ -75,6 +76,30 @@ from ._watch import Watch
 __all__ = ["EXIT_INTERRUPTED", "RunResult", "run_script", "trace_file_name"]
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd program
+EXIT_TERMINATED = 143  # 128 + SIGTERM: how SLURM, Kubernetes and torchrun stop a job
+
+
+class _Terminated(BaseException):
+    """Raised in the script by SIGTERM, so the traces are saved and reported before ``nantrace run`` exits."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise _Terminated(f"stopped by signal {signum} (SIGTERM)")
+
+
+@contextlib.contextmanager
+def _sigterm_saves() -> Iterator[None]:
+    """While the script runs, SIGTERM raises :class:`_Terminated` in it (main thread only; elsewhere no-op)."""
+    try:
+        old = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
 
 _PKG_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 _SNAPSHOT_LOCALS = sys.version_info < (3, 13)  # frame.f_locals is a cached dict snapshot (PEP 667 changed it)
@@ -456,6 +481,9 @@ def _exec(script: str, args: Sequence[str]) -> int:
     except KeyboardInterrupt as e:
         _print_exception(e, full)
         return EXIT_INTERRUPTED
+    except _Terminated as e:
+        print(f"nantrace run: {e}; saving the traces", file=sys.stderr)
+        return EXIT_TERMINATED
     except BaseException as e:
         _print_exception(e, full)
         return 1
@@ -505,7 +533,7 @@ def run_script(
     if not out_dir.is_dir() or not os.access(out_dir, os.W_OK):
         raise NantraceError(f"out {str(out_dir)!r} is not an existing writable directory; create it first")
     opts = options if options is not None else TraceOptions(**trace_options)  # checked before the script runs
-    with _Session(opts, watch) as session:
+    with _sigterm_saves(), _Session(opts, watch) as session:
         code = _exec(path, args)
     paths: dict[str, Path] = {}
     for i, (name, _) in enumerate(session.traces):

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
+from ._files import atomic_write
 from ._schema import META_COLUMNS, N_STATS, PHASES, RECORD_COLUMNS, RECORDED, STAT_NAMES, STEP_COLUMNS
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "canonical_records",
     "canonical_steps",
     "category_index",
+    "segment_dir",
     "to_host",
 ]
 
@@ -80,6 +83,22 @@ _STR_DTYPE = pd.Index(["x"]).dtype  # pandas' default string dtype (object befor
 def category_index(values: Sequence[str]) -> pd.Index:
     """Categories as an Index of pandas' default string dtype (what a parquet round trip gives back too)."""
     return pd.Index(list(values), dtype=_STR_DTYPE)
+
+
+MAX_UNWRITTEN = 10  # while stream writes fail, at most this many × flush_every steps wait in memory
+
+
+def segment_dir(path: Path) -> Path:
+    """The hidden folder next to a streamed trace ``path`` that holds its flushed segments until it is closed."""
+    return path.parent / f".{path.name}.segments"
+
+
+def _write_parquet(target: Path, table: Any, meta: dict[bytes, bytes]) -> None:
+    """``table`` with ``meta`` in its schema metadata as one parquet file (zstd, page checksums), atomically."""
+    import pyarrow.parquet as pq
+
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), **meta})
+    atomic_write(target, lambda f: pq.write_table(table, f, compression="zstd", write_page_checksum=True))
 
 
 def _stream_schema() -> Any:
@@ -391,68 +410,118 @@ class Store:
         return size / rows if rows else 0.0
 
     # ----------------------------------------------------------------- streaming to parquet
-    def stream_to(self, path: Any, every: int) -> None:
-        """Write finished steps to ``path`` (parquet) whenever ``every`` steps are in memory, then drop them."""
+    def stream_to(
+        self, path: Any, every: int, meta: Callable[[list[str], pd.DataFrame, pd.DataFrame], Any]
+    ) -> None:
+        """Write finished steps under ``path`` whenever ``every`` steps are in memory, then drop them.
+
+        Each flush is one complete trace file, a *segment* in the hidden folder :func:`segment_dir` next to
+        ``path``, written atomically (fsync, then rename), with the ``steps``/``ops`` rows of its steps: after a
+        kill, every flushed step is on disk and loads. :meth:`close_stream` joins the segments into ``path``.
+        ``meta(dtypes, steps, ops)`` gives a file's nantrace metadata (``{MAGIC: footer}``).
+
+        A write that fails (disk full, quota, a lost mount) never raises: it warns once, naming ``path`` and the
+        error, keeps the steps in memory and retries at the next flush. While writes fail at most
+        :data:`MAX_UNWRITTEN` × ``every`` steps stay in memory; older ones are dropped and counted
+        (:attr:`stream_lost_steps`), and the recording reports it at exit.
+        """
         self.stream_path = path
         self.stream_every = every
-        self.stream_tmp: Any = None
-        self.writer: Any = None
+        self.stream_meta = meta
+        self.stream_segments: list[Path] = []
+        self.stream_dtypes: set[str] = set()
+        self.stream_error: BaseException | None = None
+        self.stream_lost_steps = 0
         self.spilled_rows = 0
+        self.spilled_steps = 0
+        self.spilled_ops = 0
 
     def maybe_spill(self) -> None:
         if getattr(self, "stream_path", None) is not None and len(self.chunks) >= self.stream_every:
             self.spill()
 
-    def spill(self) -> None:
-        """Append every in-memory chunk to the stream file as one row group and free them."""
-        import os
-        import tempfile
-
+    def _stream_table(self, chunks: list[dict[str, np.ndarray]]) -> Any:
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
+        return pa.Table.from_pandas(
+            self.frame(chunks, plain=True), schema=_stream_schema(), preserve_index=False
+        )
+
+    def spill(self) -> None:
+        """Write every in-memory chunk, with the steps and ops rows not yet written, as one segment file and
+        free them; on a write error keep them (within the bound) for the next try."""
         if not self.chunks:
             return
-        table = pa.Table.from_pandas(
-            self.frame(self.chunks, plain=True), schema=_stream_schema(), preserve_index=False
-        )
-        if self.writer is None:
-            target = self.stream_path
-            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
-            os.close(fd)
-            self.stream_tmp = tmp
-            self.writer = pq.ParquetWriter(tmp, table.schema, compression="zstd")
-        self.writer.write_table(table)
+        try:
+            table = self._stream_table(self.chunks)
+            dtypes = sorted({str(v) for v in table.column("dtype").unique().to_pylist()})
+            steps = self.steps().iloc[self.spilled_steps :].reset_index(drop=True)
+            ops = self.ops_frame().iloc[self.spilled_ops :].reset_index(drop=True)
+            folder = segment_dir(self.stream_path)
+            folder.mkdir(exist_ok=True)
+            seg = folder / f"{len(self.stream_segments):06d}.nantrace"
+            _write_parquet(seg, table, self.stream_meta(dtypes, steps, ops))
+        except Exception as e:  # never into the user's loop: the disk's problem is reported, training goes on
+            self._write_failed(e)
+            return
+        self.stream_segments.append(seg)
+        self.stream_dtypes.update(dtypes)
         self.spilled_rows += table.num_rows
+        self.spilled_steps += len(steps)
+        self.spilled_ops += len(ops)
         self.chunks = []
         self._records = None
 
-    def close_stream(self, metadata: dict[bytes, bytes]) -> None:
-        """Spill what is left, write the metadata into the footer and move the file into place."""
-        import os
+    def _write_failed(self, e: BaseException) -> None:
+        import warnings
 
-        import pyarrow as pa
+        if self.stream_error is None:
+            warnings.warn(
+                f"nantrace: writing the trace to {str(self.stream_path)!r} failed ({type(e).__name__}: {e}). "
+                f"Training continues; the unwritten steps stay in memory (at most {MAX_UNWRITTEN} x flush_every) "
+                "and the write is retried at the next flush.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self.stream_error = e
+        limit = MAX_UNWRITTEN * self.stream_every
+        if len(self.chunks) > limit:
+            drop = len(self.chunks) - limit
+            self.stream_lost_steps += len({int(c["step"][0]) for c in self.chunks[:drop] if len(c["step"])})
+            self.chunks = self.chunks[drop:]
+            self._records = None
+
+    def close_stream(self) -> bool:
+        """Join the segments and what is left in memory into the stream file at ``path`` (atomically) and remove
+        the segments; True when it is written. On a write error it warns, keeps the segments already on disk
+        (``nantrace.load(path)`` reads them) and the rest in memory, and returns False."""
+        import shutil
+
         import pyarrow.parquet as pq
 
-        if self.writer is None:
-            self.writer_schema = _stream_schema()
-            fd_path = self.stream_path
-            empty = pa.Table.from_pandas(
-                self.frame([], plain=True), schema=_stream_schema(), preserve_index=False
-            )
-            import tempfile
+        try:
+            rest = self._stream_table(self.chunks)
+            dtypes = self.stream_dtypes | {str(v) for v in rest.column("dtype").unique().to_pylist()}
+            meta = self.stream_meta(sorted(dtypes), self.steps(), self.ops_frame())
+            schema = rest.schema.with_metadata(meta)
 
-            fd, tmp = tempfile.mkstemp(prefix=f".{fd_path.name}.", suffix=".partial", dir=fd_path.parent)
-            os.close(fd)
-            self.stream_tmp = tmp
-            self.writer = pq.ParquetWriter(tmp, empty.schema, compression="zstd")
-            self.writer.write_table(empty)
-        self.spill()
-        self.writer.add_key_value_metadata(metadata)
-        self.writer.close()
-        os.replace(self.stream_tmp, self.stream_path)
-        self.writer = None
-        self.stream_path = None
+            def write(f: Any) -> None:
+                with pq.ParquetWriter(f, schema, compression="zstd", write_page_checksum=True) as w:
+                    for seg in self.stream_segments:
+                        w.write_table(pq.read_table(seg, page_checksum_verification=True).cast(schema))
+                    w.write_table(rest.cast(schema))
+
+            atomic_write(self.stream_path, write)
+        except Exception as e:
+            self._write_failed(e)
+            self.spill()  # the last steps as a segment, if the disk takes it now
+            return False
+        shutil.rmtree(segment_dir(self.stream_path), ignore_errors=True)
+        self.spilled_rows += rest.num_rows
+        self.stream_segments = []
+        self.chunks = []
+        self._records = None
+        return True
 
     # ----------------------------------------------------------------- tables
     # ----------------------------------------------------------------- tables

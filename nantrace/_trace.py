@@ -15,7 +15,7 @@ from torch import nn
 
 from . import _explain, _io, _readiness, _report, _repro, _tensorboard, _watched
 from ._errors import NantraceError
-from ._format import read_records
+from ._format import streamed_records
 from ._live import Live
 from ._options import ModuleFilter, TraceOptions
 from ._recording import Recording
@@ -88,7 +88,7 @@ class Trace:
         assert rec is not None
         if rec.stream_path is not None and rec.closed:  # the whole run, read back from the streamed file
             if self._streamed is None:
-                self._streamed = read_records(rec.stream_path)
+                self._streamed = streamed_records(rec.stream_path, rec.store.records())
             return view_of(rec, self._streamed)
         return view_of(rec)
 

@@ -87,6 +87,7 @@ def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=None,
         help="output directory (default: a new ./nantrace-demo-<time> folder)",
     )
+    d.add_argument("--overwrite", action="store_true", help="replace a trace an earlier run left in --out")
     d.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -165,6 +166,7 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="DIR",
         help="output directory (default: a new ./nantrace-run-<time> folder)",
     )
+    ru.add_argument("--overwrite", action="store_true", help="replace a trace an earlier run left in --out")
     ru.add_argument(
         "--modules",
         action="append",
@@ -236,8 +238,16 @@ def _err(msg: str) -> None:
     print(f"nantrace: error: {msg}", file=sys.stderr)
 
 
-def _make_out(out: Path) -> bool:
-    """Create the ``--out`` directory; False (after saying why) when it cannot be created or written."""
+def _make_out(out: Path, overwrite: bool = False) -> bool:
+    """Create the ``--out`` directory; False (after saying why) when it cannot be created or written, or holds
+    a trace of an earlier run (``trace*.nantrace``) and ``overwrite`` is not set."""
+    earlier = sorted(p.name for p in out.glob("trace*.nantrace")) if out.is_dir() else []
+    if earlier and not overwrite:
+        _err(
+            f"--out {str(out)!r} already holds {', '.join(earlier)} of an earlier run; pass --overwrite to replace "
+            "it, or choose another --out"
+        )
+        return False
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -388,7 +398,7 @@ def _run(args: argparse.Namespace) -> int:
             _err(str(e))
             return EXIT_MISSING_EXTRA
     out: Path = args.out if args.out is not None else _new_out_dir("run")
-    if not _make_out(out):
+    if not _make_out(out, args.overwrite):
         return EXIT_USAGE
     if args.watch is not None and args.watch < 1:
         _err(f"--watch {args.watch!r}: N must be an int ≥ 1 (a full step every N steps)")
@@ -451,7 +461,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.lr is not None:
         cfg.lr = args.lr
     out: Path = args.out if args.out is not None else _new_out_dir()
-    if not _make_out(out):
+    if not _make_out(out, args.overwrite):
         return EXIT_USAGE
 
     torch.set_num_threads(min(torch.get_num_threads(), 4))
