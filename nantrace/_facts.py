@@ -406,9 +406,20 @@ def divergence(
     lrs = [v for v in lrs if not math.isnan(v)]
     lr = lrs[-1] if lrs else math.nan
     if not math.isnan(lr):
-        gn = [run.grad_norm.get(s, math.nan) for s in steps]
-        gn = [v for v in gn if math.isfinite(v)]
-        ev.append(
-            f"learning rate {num(lr)}" + (f", gradient norm {num(gn[0])} → {num(gn[-1])}" if gn else "")
-        )
+        ev.append(f"learning rate {num(lr)}" + grad_norm_text(run.grad_norm, steps))
     return DivergenceFacts(True, ev, lr, ratio)
+
+
+def grad_norm_text(grad_norm: Mapping[int, float], steps: Sequence[int]) -> str:
+    """Describe the recorded gradient norm over ``steps`` with the steps its values come from.
+
+    Quotes the first and last finite recorded values with their step ids, one value when only one step
+    has it, and ", gradient norm not recorded" when none does, so the text never repeats one value as a
+    trend (issue 17 item 9).
+    """
+    gn = [(s, float(grad_norm[s])) for s in steps if s in grad_norm and math.isfinite(float(grad_norm[s]))]
+    if not gn:
+        return ", gradient norm not recorded"
+    if len(gn) == 1:
+        return f", gradient norm {num(gn[0][1])} at step {gn[0][0]} (recorded once)"
+    return f", gradient norm {num(gn[0][1])} (step {gn[0][0]}) → {num(gn[-1][1])} (step {gn[-1][0]})"
