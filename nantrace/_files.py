@@ -28,6 +28,8 @@ def check_target(path: str | os.PathLike[str]) -> Path:
         )
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
+        if parent.exists():
+            raise ValueError(f"path {str(p)!r}: {str(parent)!r} is a file, not a directory")
         raise ValueError(f"path {str(p)!r}: directory {str(parent)!r} does not exist; create it first")
     if not os.access(parent, os.W_OK):
         raise ValueError(

@@ -68,6 +68,8 @@ def part_target(path: str | os.PathLike[str], rank: int, world_size: int) -> Pat
             "another path"
         )
     if not parent.is_dir():
+        if parent.exists():
+            raise ValueError(f"path {str(folder)!r}: {str(parent)!r} is a file, not a directory")
         raise ValueError(f"path {str(folder)!r}: directory {str(parent)!r} does not exist; create it first")
     if not os.access(parent, os.W_OK) and not folder.is_dir():
         raise ValueError(

@@ -229,9 +229,14 @@ def healthy(run: Facts) -> Diagnosis:
     hr = headroom_table(run.records, top=1)
     if len(hr):
         r = hr.iloc[0]
+        bits, absmax = float(r["headroom_bits"]), float(r["absmax"])
+        room = (
+            f"headroom {bits:.1f} bits below float16's 65504"
+            if bits >= 0
+            else f"exceeds float16's 65504 by {-bits:.1f} bits (×{num(absmax / FP16_MAX)}): it would overflow in float16"
+        )
         evidence.append(
-            f"least float16 headroom: {module_label(str(r['module']))} ({r['module_type']}), absmax {num(float(r['absmax']))}, "
-            f"{float(r['headroom_bits']):+.1f} bits below 65504"
+            f"least float16 headroom: {module_label(str(r['module']))} ({r['module_type']}), absmax {num(absmax)}, {room}"
         )
     ur = update_ratios(run.records)["ratio"].to_numpy(dtype=np.float64)
     ur = ur[np.isfinite(ur)]

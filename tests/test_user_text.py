@@ -114,3 +114,27 @@ def test_out_of_memory_in_the_sample_flags_never_reaches_the_loop(monkeypatch: p
     ov = tr.first_overflow()
     assert ov is not None and (ov.step, ov.phase, ov.kind) == (1, "data", "nan")
     assert str(ov).endswith("e.g. log(0), division by zero or a corrupt sample.")  # the samples are unknown
+
+
+def test_a_parent_that_is_a_file_is_named_as_such(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("x")
+    tr = _sgd_run(loss_as="tensor")
+    with pytest.raises(ValueError) as info:
+        tr.save(tmp_path / "notes.txt" / "run.nantrace")
+    assert str(info.value) == (
+        f"path '{tmp_path / 'notes.txt' / 'run.nantrace'}': '{tmp_path / 'notes.txt'}' is a file, not a directory"
+    )
+
+
+def test_headroom_evidence_says_exceeds_rather_than_negative_bits() -> None:
+    from conftest import ScaledLinear
+
+    model = ScaledLinear(10000.0)  # float32: 80000 fits, but exceeds float16's 65504
+    with nantrace.trace(model) as tr:
+        model(torch.ones(2, 8))
+    d = tr.diagnose()
+    assert d.cause == "healthy"
+    assert d.evidence[1] == (
+        "least float16 headroom: `fc` (Linear), absmax 80000, exceeds float16's 65504 by 0.3 bits (×1.221): "
+        "it would overflow in float16"
+    )
