@@ -112,13 +112,14 @@ def load_folder(path: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, d
     samples: list[list[Any]] = []
     for rank, _, p in parts:
         meta = metas[p]
-        r = read_records(p)
+        if p.exists():
+            r, s, o = read_records(p), from_ipc(meta["steps"]), from_ipc(meta["ops"])
+        else:  # a rank killed while streaming: the segments it flushed (read_trace warns that it was not closed)
+            r, s, o, _ = read_trace(p)
         r["rank"] = rank
         recs.append(r)
-        s = from_ipc(meta["steps"])
         s["rank"] = pd.array([rank] * len(s), dtype="int32")
         steps.append(s)
-        o = from_ipc(meta["ops"])
         o["rank"] = rank
         ops.append(o)
         if not head:

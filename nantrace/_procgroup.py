@@ -41,12 +41,19 @@ def part_name(rank: int, world_size: int) -> str:
 
 
 def parts(folder: Path) -> list[tuple[int, int, Path]]:
+    """``(rank, world size, part path)`` of the rank parts in ``folder``, by name; a part that a rank killed
+    while streaming never completed counts by its hidden segment folder ``.rank-…nantrace.segments``."""
     out = []
     for p in sorted(folder.iterdir()):
         m = PART_RE.match(p.name)
         if m and p.is_file():
             out.append((int(m.group(1)), int(m.group(2)), p))
-    return out
+        elif p.is_dir() and p.name.startswith(".") and p.name.endswith(".segments"):
+            name = p.name[1 : -len(".segments")]
+            m = PART_RE.match(name)
+            if m and not (folder / name).exists() and any(p.iterdir()):
+                out.append((int(m.group(1)), int(m.group(2)), folder / name))
+    return sorted(out)
 
 
 def part_target(path: str | os.PathLike[str], rank: int, world_size: int) -> Path:

@@ -274,3 +274,38 @@ def test_run_and_demo_refuse_to_overwrite_an_earlier_trace(
         timeout=120,
     )
     assert done.stdout == "ran\n"
+
+
+def test_a_rank_part_killed_while_streaming_loads_from_its_segments(tmp_path: Path) -> None:
+    """A folder of rank parts in which one rank never closed its streamed part (killed): the merged load reads
+    what that rank flushed, with a warning, instead of missing the rank."""
+    import warnings as _warnings
+
+    import torch
+    from torch import nn
+
+    import nantrace
+
+    folder = tmp_path / "run.nantrace"
+    folder.mkdir()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    with nantrace.trace(model) as done:
+        for _ in range(2):
+            model(torch.ones(3, 4))
+    done.save(folder / "rank-00000-of-00002.nantrace")
+    killed = nantrace.trace(model, path=folder / "rank-00001-of-00002.nantrace", flush_every=1)
+    killed.__enter__()
+    for _ in range(3):
+        model(torch.ones(3, 4))
+    model(torch.ones(3, 4))  # opens step 3; steps 0-2 were flushed as segments
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        merged = nantrace.load(folder)
+    assert merged.ranks == [0, 1]
+    assert sorted(merged.steps.groupby("rank")["step"].apply(list).to_dict().items()) == [
+        (0, [0, 1]),
+        (1, [0, 1, 2]),
+    ]
+    assert any("was not closed" in str(w.message) for w in caught)
+    killed.__exit__(None, None, None)
