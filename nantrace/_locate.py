@@ -131,7 +131,8 @@ def _ordered(step_df: pd.DataFrame) -> pd.DataFrame:
 def _op_rows(
     df: pd.DataFrame, wanted: tuple[str, ...], ops: pd.DataFrame | None
 ) -> dict[int, tuple[str, str]]:
-    """Row position (in ``df``) of the output of each module call where the drill-down named an op -> (kind, op)."""
+    """Row position (in ``df``) of the output of each module call where the drill-down named an op -> (kind, op):
+    the first output row holding that kind, or the call's first output when no output holds it."""
     extra: dict[int, tuple[str, str]] = {}
     if ops is None or not len(ops):
         return extra
@@ -149,8 +150,9 @@ def _op_rows(
             & (df["micro_step"].to_numpy() == op.micro_step)
             & outputs
         )[0]
-        if len(hit):
-            extra.setdefault(int(hit[0]), (str(op.kind), str(op.op)))
+        if len(hit):  # the output that holds the op's kind, else (it never left the call) the first output
+            holding = [i for i in hit if int(df[f"n_{op.kind}"].iloc[i]) > 0]
+            extra.setdefault(int(holding[0] if holding else hit[0]), (str(op.kind), str(op.op)))
     return extra
 
 

@@ -194,3 +194,19 @@ def test_a_live_trace_its_loaded_copy_and_its_rank_view_give_the_same_answers(tm
         assert other.diagnose().to_dict() == tr.diagnose().to_dict()
     ov = tr.first_overflow()
     assert ov is not None and (ov.phase, ov.module, ov.kind) == ("forward", "fc", "inf")
+
+
+def test_an_op_found_by_the_drill_down_is_reported_at_the_output_that_holds_its_kind() -> None:
+    import pandas as pd
+
+    rows = [
+        {"phase": "data", "module": "", "module_type": "Net", "tensor": "input[0]"},
+        {"phase": "forward", "module": "", "module_type": "Net", "tensor": "output[0]"},
+        {"phase": "forward", "module": "", "module_type": "Net", "tensor": "output[1]", "n_posinf": 2},
+    ]
+    view = frame_view(records_frame(rows))
+    ops = pd.DataFrame([{"step": 0, "micro_step": 0, "module": "", "call": 0, "op": "exp", "kind": "posinf"}])
+    view = view.__class__(view.records, view.steps, ops, view.meta)
+    ov = first_overflow(view)
+    assert ov is not None and (ov.tensor, ov.kind) == ("output[1]", "inf")
+    assert "produced +inf in `exp` inside its forward (float16)" in str(ov)
