@@ -142,8 +142,9 @@ def _forward_head(ev: Event) -> tuple[str, bool]:
     f, row = ev.fields, ev.row
     own_code = str(row["module"]) != f["module"]
     if own_code:
+        by = f"`{ev.op}` in " if ev.op is not None else ""
         at = (
-            f"its own forward code, between its submodules (first seen at `{row['tensor']}` of "
+            f"{by}its own forward code, between its submodules (first seen at `{row['tensor']}` of "
             f"`{row['module']}`; every submodule output before it was finite)"
         )
     elif ev.op is not None:

@@ -134,6 +134,9 @@ class Recorder:
         self.drill = drill
         self.capture: Any = None  # a nantrace._repro.Capture with trace(capture=...)
         self.seen_kinds: set[str] = set()
+        self.own_code: set[tuple[int, int]] = (
+            set()
+        )  # (module code, call) whose own code made a kind first seen
         self.sync_free = sync_free
         self.phases = record_phases
         self.active = False
@@ -259,6 +262,7 @@ class Recorder:
         self.calls.clear()
         self.cache.clear()
         self.seen_kinds.clear()
+        self.own_code.clear()
 
     def end_step(self, mask_rule: Any) -> None:
         """Close the open step: one host copy, a ``steps`` row, and drop this step's tensor hooks."""
@@ -276,6 +280,7 @@ class Recorder:
         self.stack.clear()
         self.calls.clear()
         self.seen_kinds.clear()
+        self.own_code.clear()
 
     def step_open(self) -> bool:
         """True when the open step has seen anything worth a ``steps`` row."""
@@ -410,6 +415,9 @@ class Recorder:
             else:
                 in_kinds = None
             if in_kinds:
+                if not is_root and self.stack and not in_kinds <= self.seen_kinds:
+                    # a kind first seen at a child's input: the enclosing call's own code made it (drill it)
+                    self.own_code.add(self.stack[-1][:2])
                 self.seen_kinds |= in_kinds
             self.watch_grads("backward", mcode, tcode, call, items, "grad_input", parent)
             versions = tuple(_version(t) for _, t in items) if in_kinds is not None and self.drill else ()
@@ -445,7 +453,9 @@ class Recorder:
                     self.last_kinds = frozenset()
                     self.add("forward", mcode, tcode, call, path, t, is_grad=False, parent=parent)
                     out_kinds = _union(out_kinds, self.last_kinds)
-                if out_kinds and in_kinds is not None and self.drill and not out_kinds <= self.seen_kinds:
+                own = (mcode, call) in self.own_code
+                new_kind = bool(out_kinds) and not (out_kinds or frozenset()) <= self.seen_kinds
+                if in_kinds is not None and self.drill and (new_kind or own):
                     now = tuple(_version(t) for _, t in [*flatten(args, "i"), *flatten(kwargs, "i")])
                     if now == versions:  # inputs not modified in place by the call: a faithful replay
                         self.replay(module, args, kwargs, in_kinds, mcode, call)

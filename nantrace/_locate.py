@@ -151,7 +151,8 @@ def _op_rows(
             & outputs
         )[0]
         if len(hit):  # the output that holds the op's kind, else (it never left the call) the first output
-            holding = [i for i in hit if int(df[f"n_{op.kind}"].iloc[i]) > 0]
+            counts = df["n_" + str(op.kind)].to_numpy()
+            holding = [i for i in hit if counts[i] > 0]
             extra.setdefault(int(holding[0] if holding else hit[0]), (str(op.kind), str(op.op)))
     return extra
 
@@ -307,6 +308,14 @@ def _step_event(
         if received
         else producer(step_local, row)
     )
+    if op is None and step_ops is not None and who[0] != str(row["module"]):  # the enclosing call's own code
+        mine = step_ops[
+            (step_ops["module"].astype(str) == who[0])
+            & (step_ops["call"] == who[2])
+            & (step_ops["micro_step"] == int(row["micro_step"]))
+            & (step_ops["kind"] == k)
+        ]
+        op = str(mine["op"].iloc[0]) if len(mine) else None
     return Event(overflow_fields(row, k, who), k, op, row, step_local, rank, received)
 
 

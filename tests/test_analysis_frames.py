@@ -210,3 +210,29 @@ def test_an_op_found_by_the_drill_down_is_reported_at_the_output_that_holds_its_
     ov = first_overflow(view)
     assert ov is not None and (ov.tensor, ov.kind) == ("output[1]", "inf")
     assert "produced +inf in `exp` inside its forward (float16)" in str(ov)
+
+
+def test_a_kind_made_between_children_is_drilled_to_the_enclosing_calls_op() -> None:
+    import torch
+    from torch import nn
+
+    import nantrace
+
+    class Between(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b((self.a(x) * 0) * float("inf"))  # 0·inf between the children: NaN
+
+    m = Between()
+    with nantrace.trace(m) as tr:
+        m(torch.ones(2, 4))
+    assert tr.ops[["module", "call", "op", "kind"]].values.tolist() == [["", 0, "mul", "nan"]]
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.phase, ov.module, ov.tensor, ov.kind) == ("forward", "", "input[0]", "nan")
+    assert str(ov).startswith(
+        "At step 0, the root model (Between, call 0) produced NaN in `mul` in its own forward code, between its "
+        "submodules (first seen at `input[0]` of `b`"
+    )
