@@ -325,6 +325,28 @@ class Recorder:
             op, kind = found
             self.store.ops.append((self.step, max(self.micro, 0), mcode, call, op, kind))
 
+    def maybe_drill(
+        self,
+        module: torch.nn.Module,
+        args: Any,
+        kwargs: Any,
+        out_kinds: frozenset[str] | None,
+        in_kinds: frozenset[str] | None,
+        versions: tuple[int, ...],
+        mcode: int,
+        call: int,
+    ) -> None:
+        """Replay the call (:meth:`replay`) when its output holds a kind first seen in the micro-step, or when a
+        kind first appeared at one of its children's inputs (its own code made it), and its inputs were not
+        modified in place by the call."""
+        own = (mcode, call) in self.own_code
+        new_kind = bool(out_kinds) and not (out_kinds or frozenset()) <= self.seen_kinds
+        if in_kinds is None or not self.drill or not (new_kind or own):
+            return
+        now = tuple(_version(t) for _, t in [*flatten(args, "i"), *flatten(kwargs, "i")])
+        if now == versions:  # inputs not modified in place by the call: a faithful replay
+            self.replay(module, args, kwargs, in_kinds, mcode, call)
+
     # ------------------------------------------------------------ hook factories
     def grad_hook(
         self, phase: str, mcode: int, tcode: int, call: int, path: str, parent: int
@@ -453,12 +475,7 @@ class Recorder:
                     self.last_kinds = frozenset()
                     self.add("forward", mcode, tcode, call, path, t, is_grad=False, parent=parent)
                     out_kinds = _union(out_kinds, self.last_kinds)
-                own = (mcode, call) in self.own_code
-                new_kind = bool(out_kinds) and not (out_kinds or frozenset()) <= self.seen_kinds
-                if in_kinds is not None and self.drill and (new_kind or own):
-                    now = tuple(_version(t) for _, t in [*flatten(args, "i"), *flatten(kwargs, "i")])
-                    if now == versions:  # inputs not modified in place by the call: a faithful replay
-                        self.replay(module, args, kwargs, in_kinds, mcode, call)
+                self.maybe_drill(module, args, kwargs, out_kinds, in_kinds, versions, mcode, call)
                 if out_kinds:
                     self.seen_kinds |= out_kinds
             phase = "loss" if is_root and self.root_depth == 0 else "backward"
