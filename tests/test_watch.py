@@ -11,13 +11,13 @@ from typing import Any
 
 import pandas as pd
 import pytest
+import test_cases as cases
 import torch
 import torch.nn.functional as F
+from test_sync import watch_reads
 from torch import nn
 
 import nantrace
-from tests import test_cases as cases
-from tests.test_sync import watch_reads
 
 FIELDS = ("step", "micro_step", "phase", "module", "module_type", "call", "tensor", "kind")
 
@@ -449,8 +449,9 @@ def test_watch_saves_and_loads_with_its_steps_column(tmp_path: Any) -> None:
 # ------------------------------------------------------------------ front-ends
 def test_transformers_callback_with_watch_names_the_same_data_fault(tmp_path: Any) -> None:
     pytest.importorskip("transformers")
+    import test_integration_transformers as hf
+
     from nantrace.integrations.transformers import NanTraceCallback
-    from tests import test_integration_transformers as hf
 
     cb = NanTraceCallback(watch=True)
     t = hf.trainer(tmp_path, cb)
