@@ -45,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ._fmt import num
+from ._fmt import module_label, num
 from ._hooks import in_backward
 from ._naming import module_names  # the same names as nantrace.trace()
 from ._repro import REPRO_NAMES, Repro
@@ -57,7 +57,7 @@ __all__ = ["Culprit", "hunt"]
 
 _META_KEY = "nantrace"
 _WORDS = {"nan": "NaN", "posinf": "+inf", "neginf": "-inf"}
-_ORDER = ("nan", "posinf", "neginf")
+_ORDER = ("posinf", "neginf", "nan")  # inf before NaN: NaN follows from inf (inf-inf, 0*inf)
 # Ops whose output is uninitialised memory: it may hold any bit pattern, NaN included, and is not a result.
 # Matched on the op's base name, so every overload counts (``aten::empty.memory_format``, ``empty.out``...).
 _UNINITIALISED = frozenset(
@@ -137,7 +137,7 @@ class Culprit:
     input_kinds: frozenset[str] = field(default=frozenset(), repr=False)
 
     def __str__(self) -> str:
-        name = f"`{self.module or '<root>'}`" + (f" ({self.module_type})" if self.module_type else "")
+        name = module_label(self.module or "") + (f" ({self.module_type})" if self.module_type else "")
         line = f"{self.source}: `{self.code}`" if self.code else (self.source or "")
         if self.phase == "backward":
             head = (
@@ -388,7 +388,7 @@ class _Hunter:
                 continue
             new = (_kinds(leaf) & self.wanted) - before
             if new:
-                value = next(k for k in ("nan", "posinf", "neginf") if k in new)
+                value = next(k for k in _ORDER if k in new)
                 self._record(name, value, leaf.dtype, ranged or _input_range(tensors), before)
                 break
         return out

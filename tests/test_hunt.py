@@ -235,7 +235,7 @@ def test_minus_inf_mask_from_a_scalar_is_not_a_culprit_but_a_fully_masked_row_is
         "nan",
         "e = torch.exp(s - s.amax(-1, keepdim=True))",
     )
-    assert "in `<root>` (_MaskedSoftmax)" in str(c)
+    assert "in the root model (_MaskedSoftmax)" in str(c)
 
 
 class _Scale(nn.Module):
@@ -563,3 +563,16 @@ def test_float32_forward_overflow_does_not_advise_float32() -> None:
     msg = str(tr.first_overflow())
     assert "float32 overflows above 3.403e+38" in msg and "Keep `0` in float32" not in msg
     assert "Values beyond the float32 range mean a computation that blows up" in msg
+
+
+class _DivByZero(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / torch.zeros_like(x)
+
+
+def test_an_op_making_inf_and_nan_at_once_is_reported_as_inf_on_the_root_model() -> None:
+    # [1, 0] / 0 = [+inf, NaN] in one op: the culprit's value is +inf (NaN follows from inf, never the reverse)
+    c = nantrace.hunt(_DivByZero(), torch.tensor([1.0, 0.0], dtype=torch.float16))
+    assert c is not None
+    assert (c.op, c.module, c.kind, c.value) == ("aten::div.Tensor", "", "inf", "posinf")
+    assert str(c).startswith("aten::div.Tensor in the root model (_DivByZero), forward, at test_hunt.py:")
