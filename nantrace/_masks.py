@@ -13,10 +13,21 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-__all__ = ["FEATURES", "MASK_WORDS", "is_mask", "mask_named", "mask_rows", "names_flag"]
+__all__ = [
+    "FEATURES",
+    "MASK_WORDS",
+    "RULE_COLUMNS",
+    "is_mask",
+    "mask_named",
+    "mask_rows",
+    "names_flag",
+    "unmasked",
+]
 
 MASK_WORDS = ("mask", "bias")  # attention_mask, src_mask, attn_bias, position_bias, alibi_bias, ...
 FEATURES = "input[0]"  # the path of the model's first positional argument (phase "data"): its features
+# the records columns the rule reads (``arg`` is optional: without it only the tensor path is read for names)
+RULE_COLUMNS = ("phase", "tensor", "n_nan", "n_posinf", "n_neginf", "n_zero", "numel")
 
 
 def mask_named(name: str) -> bool:
@@ -66,6 +77,26 @@ def is_mask(df: pd.DataFrame) -> np.ndarray:
         df["n_zero"].to_numpy(),
         df["numel"].to_numpy(),
         (phase == "data") | (phase == "forward"),
-        names_flag(df["tensor"]) | names_flag(df["arg"]),
+        names_flag(df["tensor"]) | (names_flag(df["arg"]) if "arg" in df.columns else False),
         (phase == "data") & (df["tensor"].astype(str).to_numpy() == FEATURES),
     )
+
+
+def unmasked(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` (records) with each attention mask's -inf left out of its counts: ``n_neginf`` is 0 on the rows
+    :func:`is_mask` calls masks (their ``absmax`` is already over finite values only).
+
+    For what people read as overflow (headroom tables, absmax summaries, reprs, plots): a mask's -inf is
+    intended, never an overflow. ``records`` itself keeps the counts. A frame lacking one of
+    :data:`RULE_COLUMNS` (a hand-made subset), or one without a mask row, is returned as it is (not copied).
+    """
+    if not len(df) or any(c not in df.columns for c in RULE_COLUMNS):
+        return df
+    mask = is_mask(df)
+    if not mask.any():
+        return df
+    out = df.copy()
+    neginf = out["n_neginf"].to_numpy().copy()
+    neginf[mask] = 0
+    out["n_neginf"] = neginf
+    return out

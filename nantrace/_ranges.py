@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from ._masks import unmasked
 from ._schema import FP16_MAX, dtype_max, is_wide
 
 __all__ = ["finite_absmax", "headroom_table", "lowest_rank_steps", "weights_beyond"]
@@ -59,9 +60,10 @@ def headroom_table(records: pd.DataFrame, limit: float = FP16_MAX, top: int = 5)
     """Modules with the least headroom: ``log2(limit / absmax)`` bits (fp16 limit 65504), smallest first.
 
     Columns: ``module, module_type, absmax, headroom_bits``; over forward rows (activations; gradients carry the
-    loss scale). A module that held ±inf has ``absmax = inf`` and ``headroom_bits = -inf`` (it overflowed).
+    loss scale). A module that held ±inf has ``absmax = inf`` and ``headroom_bits = -inf`` (it overflowed); an
+    attention mask's -inf (:mod:`nantrace._masks`) is not an overflow and does not count.
     """
-    rows = records[records["phase"].astype(str) == "forward"]
+    rows = unmasked(records[records["phase"].astype(str) == "forward"])
     if len(rows) == 0:
         return pd.DataFrame(columns=["module", "module_type", "absmax", "headroom_bits"])
     absmax = rows["absmax"].to_numpy(dtype=np.float64)
@@ -83,7 +85,7 @@ def headroom_table(records: pd.DataFrame, limit: float = FP16_MAX, top: int = 5)
     g = g[g["absmax"] > 0]
     with np.errstate(divide="ignore"):
         g["headroom_bits"] = np.log2(limit / g["absmax"].to_numpy())
-    return g.sort_values("headroom_bits").head(top).reset_index(drop=True)
+    return g.sort_values("headroom_bits", kind="stable").head(top).reset_index(drop=True)  # ties: first seen
 
 
 def lowest_rank_steps(steps: pd.DataFrame) -> tuple[pd.DataFrame, int | None]:

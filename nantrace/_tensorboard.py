@@ -47,6 +47,7 @@ import numpy as np
 import pandas as pd
 
 from ._explain import first_overflow
+from ._masks import unmasked
 from ._schema import FP16_MAX
 from ._view import RunView
 
@@ -89,9 +90,12 @@ def module_scalars(records: pd.DataFrame) -> pd.DataFrame:
     cols = ["step", "module", "absmax", "nonfinite", "headroom_bits"]
     if len(records) == 0:
         return pd.DataFrame(columns=cols)
-    rows = records[
-        (records["phase"].astype(str) == "forward") & records["tensor"].astype(str).str.startswith("output")
-    ]
+    rows = unmasked(  # an attention mask's -inf is intended, not an overflow (nantrace._masks)
+        records[
+            (records["phase"].astype(str) == "forward")
+            & records["tensor"].astype(str).str.startswith("output")
+        ]
+    )
     if len(rows) == 0:
         return pd.DataFrame(columns=cols)
     inf = (rows["n_posinf"].to_numpy() + rows["n_neginf"].to_numpy()) > 0

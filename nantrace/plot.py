@@ -39,6 +39,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ._masks import unmasked
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -173,9 +175,12 @@ def _frame_of(
     """
     parts = _trace_parts(source, arg)
     if parts is None:
-        return _check_frame(source, arg, columns), None
-    frame = parts.records if which == "records" else parts.steps
-    return _check_frame(frame, f"the {type(parts.trace).__name__}'s {which}", columns), parts
+        frame = _check_frame(source, arg, columns)
+    else:
+        of = parts.records if which == "records" else parts.steps
+        frame = _check_frame(of, f"the {type(parts.trace).__name__}'s {which}", columns)
+    # an attention mask's -inf is intended, never drawn as a NaN/inf (the rule: nantrace._masks)
+    return (unmasked(frame) if which == "records" else frame), parts
 
 
 # --------------------------------------------------------------------------------------------
@@ -813,8 +818,8 @@ def _nonfinite_note(records: pd.DataFrame, rows: _HeatmapRows, parts: _TracePart
 
     First the first (step, module) with a NaN/inf in the drawn phase (what the magenta shows; with
     the ranks note for records of several ranks). For a Trace, then the locator's first overflow in
-    the whole trace, in any phase, which names its producer and ignores an attention mask's ``-inf``
-    (or that it found none, when magenta cells are drawn).
+    the whole trace, in any phase, which names its producer (or that it found none). An attention mask's
+    ``-inf`` is never magenta (:func:`nantrace._masks.unmasked`).
     """
     lines = []
     if rows.first_bad is not None:
@@ -826,9 +831,9 @@ def _nonfinite_note(records: pd.DataFrame, rows: _HeatmapRows, parts: _TracePart
         if ov is not None:
             lines.append(_overflow_line(ov, records))
         elif rows.first_bad is not None:
-            lines.append(
-                f"{_NO_OVERFLOW} (magenta cells: values it does not count, e.g. an attention mask's -inf)"
-            )
+            lines.append(f"{_NO_OVERFLOW} (magenta cells: NaN/inf it does not count as produced)")
+        else:
+            lines.append(_NO_OVERFLOW)
     return "".join("\n" + line for line in lines)
 
 

@@ -88,33 +88,34 @@ def _notes(title: str) -> list[str]:
 def test_ranges_of_a_trace_shows_the_first_overflow_step(masked: Any) -> None:
     ax = plot.ranges(masked).axes[0]
     assert ax.get_title(loc="left") == (
-        "Value range per module at step 2, phase forward (4 modules, 3 with NaN/inf)\n"
+        "Value range per module at step 2, phase forward (4 modules, 2 with NaN/inf)\n"
         "first overflow in the trace: step 2, forward, 'out' output (inf)"
     )
     labels = ax.get_yticklabels()
     assert [t.get_text() for t in labels] == ["lin (Linear)", "mask (Masked)", "out (Linear)", "<root> (Net)"]
-    assert [t.get_color() for t in labels] == ["black", "red", "red", "red"]
+    # `mask` and the root took the mask's -inf as input: not red (a mask is never an overflow)
+    assert [t.get_color() for t in labels] == ["black", "black", "red", "red"]
 
 
-def test_ranges_of_the_records_alone_stops_at_the_mask(masked: Any) -> None:
-    # without the locator, the first NaN/inf in phase forward is the mask's -inf, at step 0
+def test_ranges_of_the_records_alone_passes_over_the_mask(masked: Any) -> None:
+    # without the locator, the first NaN/inf in phase forward: `out`'s inf at step 2, not the mask's -inf
     ax = plot.ranges(masked.records).axes[0]
     assert (
         ax.get_title(loc="left")
-        == "Value range per module at step 0, phase forward (4 modules, 1 with NaN/inf)"
+        == "Value range per module at step 2, phase forward (4 modules, 2 with NaN/inf)"
     )
 
 
 def test_ranges_of_a_trace_at_a_given_step_and_phase(masked: Any) -> None:
     ax = plot.ranges(masked, 1).axes[0]
     assert ax.get_title(loc="left") == (
-        "Value range per module at step 1, phase forward (4 modules, 1 with NaN/inf)\n"
+        "Value range per module at step 1, phase forward (4 modules, 0 with NaN/inf)\n"
         "first overflow in the trace: step 2, forward, 'out' output (inf)"
     )
-    # the first overflow (forward) is not in phase data: the first step with a NaN/inf there, the mask's -inf
+    # the first overflow (forward) is not in phase data, which holds only the mask's -inf: the last step
     ax = plot.ranges(masked, phase="data").axes[0]
     assert ax.get_title(loc="left").split("\n")[0] == (
-        "Value range per module at step 0, phase data (1 modules, 1 with NaN/inf)"
+        "Value range per module at step 3, phase data (1 modules, 0 with NaN/inf)"
     )
     assert [t.get_text() for t in ax.get_yticklabels()] == ["<root> (Net)"]
 
@@ -155,7 +156,7 @@ def test_ranges_of_a_trace_whose_first_overflow_is_in_another_phase() -> None:
 def test_ranges_of_a_trace_without_overflow_shows_the_last_step(clean: Any) -> None:
     ax = plot.ranges(clean).axes[0]
     assert ax.get_title(loc="left") == (
-        "Value range per module at step 2, phase forward (4 modules, 1 with NaN/inf)\n"
+        "Value range per module at step 2, phase forward (4 modules, 0 with NaN/inf)\n"
         "no overflow: the locator found no NaN/inf produced in this trace"
     )
 
@@ -168,20 +169,21 @@ def test_ranges_of_a_trace_without_overflow_shows_the_last_step(clean: Any) -> N
 def test_heatmap_of_a_trace_names_the_locators_first_overflow(masked: Any) -> None:
     ax = plot.heatmap(masked).axes[0]
     assert _notes(ax.get_title(loc="left")) == [
-        "first non-finite value at step 0 in 'mask'",  # what the magenta shows: the mask's -inf
+        "first non-finite value at step 2 in 'out', '<root>'",  # the magenta: never the mask's -inf
         "first overflow in the trace: step 2, forward, 'out' output (inf)",
     ]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["lin", "mask", "out", "<root>"]
     from_records = plot.heatmap(masked.records).axes[0]
-    assert _notes(from_records.get_title(loc="left")) == ["first non-finite value at step 0 in 'mask'"]
+    assert _notes(from_records.get_title(loc="left")) == [
+        "first non-finite value at step 2 in 'out', '<root>'"
+    ]
 
 
 def test_heatmap_of_a_trace_without_overflow_says_so(clean: Any) -> None:
     title = plot.heatmap(clean).axes[0].get_title(loc="left")
-    assert _notes(title)[1] == (
-        "no overflow: the locator found no NaN/inf produced in this trace "
-        "(magenta cells: values it does not count, e.g. an attention mask's -inf)"
-    )
+    # the mask's -inf of every step is no magenta cell
+    assert _notes(title) == ["no overflow: the locator found no NaN/inf produced in this trace"]
+    assert not plot.nonfinite_grid(clean).to_numpy().any()
 
 
 def test_grids_of_a_trace_are_those_of_its_records(masked: Any) -> None:
@@ -193,6 +195,7 @@ def test_grids_of_a_trace_are_those_of_its_records(masked: Any) -> None:
     bad = plot.nonfinite_grid(masked)
     pd.testing.assert_frame_equal(bad, plot.nonfinite_grid(masked.records))
     assert list(bad.loc["out"]) == [False, False, True, True]
+    assert list(bad.loc["mask"]) == [False, False, False, False]  # its input is the mask: never NaN/inf
 
 
 def test_scale_timeline_and_overview_of_a_trace(masked: Any) -> None:
@@ -248,7 +251,7 @@ def test_any_object_with_records_steps_and_first_overflow_is_a_trace(masked: Any
     fake = FakeTrace(masked.records, masked.steps, _overflow(step=3))
     ax = plot.ranges(fake).axes[0]
     assert ax.get_title(loc="left") == (
-        "Value range per module at step 3, phase forward (4 modules, 3 with NaN/inf)\n"
+        "Value range per module at step 3, phase forward (4 modules, 2 with NaN/inf)\n"
         "first overflow in the trace: step 3, forward, 'mask' output (nan)"
     )
     fake = FakeTrace(
@@ -309,7 +312,9 @@ def test_a_trace_with_empty_frames_says_whose_frame(masked: Any) -> None:
 
 def test_overview_takes_a_trace_or_both_frames(masked: Any) -> None:
     fig = plot.overview(masked.records, masked.steps)
-    assert _notes(fig.axes[0].get_title(loc="left")) == ["first non-finite value at step 0 in 'mask'"]
+    assert _notes(fig.axes[0].get_title(loc="left")) == [
+        "first non-finite value at step 2 in 'out', '<root>'"
+    ]
     with pytest.raises(TypeError) as info:
         plot.overview(masked, masked.steps)
     assert str(info.value) == (
