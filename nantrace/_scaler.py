@@ -103,8 +103,13 @@ def attach_optimizer(r: Recording, optimizer: torch.optim.Optimizer) -> None:
 
 
 def attach_scaler(r: Recording, scaler: torch.amp.GradScaler) -> None:
-    """Wrap ``scaler.scale`` (the loss), ``scaler.update`` (scale, found-inf, growth tracker and the step
-    boundary) and, in a distributed run, ``scaler.unscale_`` (the reduced gradients, still scaled)."""
+    """Wrap ``scaler.scale`` (the loss and the loss scale it multiplies by), ``scaler.update`` (scale, found-inf,
+    growth tracker and the step boundary) and, in a distributed run, ``scaler.unscale_`` (the reduced
+    gradients, still scaled).
+
+    The scale is taken when the loss is scaled, so a step that stops after backward and before
+    ``scaler.update()`` (an exception, Ctrl-C, an out-of-memory error in the optimizer) keeps the true loss
+    scale on its gradient rows and in ``steps.scale``, and its ``grad_norm`` is unscaled like any other's."""
     if _records_reduced(r):
         orig_unscale = scaler.unscale_
 
@@ -117,8 +122,13 @@ def attach_scaler(r: Recording, scaler: torch.amp.GradScaler) -> None:
 
     def scale(outputs: Any) -> Any:
         result = orig_scale(outputs)
-        if r.rec.active and (r.loss_filter is None or r.loss_filter(outputs)):
+        rec = r.rec
+        if rec.active and (r.loss_filter is None or r.loss_filter(outputs)):
             r.record_loss(outputs)
+            if rec.pending.scale is None and scaler.is_enabled():
+                # the scale this step's backward multiplies by (a copy; it changes only in update()): a step
+                # interrupted before update() keeps it on its gradient rows, in steps.scale and grad_norm
+                rec.pending.scale = scaler_tensor(scaler, "_scale")
         return result
 
     r.patch(scaler, "scale", scale)

@@ -1,0 +1,86 @@
+"""Facts of a step's boundary: an interrupted step keeps its true loss scale and an unscaled grad norm
+(issue 18 item 7)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import nantrace
+
+SCALE = 2.0**15
+
+
+class Interrupt(Exception):
+    """Stands for the loop stopping by an exception of its own."""
+
+
+class FailingSGD(torch.optim.SGD):
+    """SGD whose ``step()`` raises ``error`` from its ``fail_at``-th call on (an out-of-memory error in the
+    optimizer: its state is allocated on the first step)."""
+
+    def __init__(self, params: Any, error: BaseException | None, fail_at: int) -> None:
+        super().__init__(params, lr=0.0)
+        self.error, self.fail_at, self.calls = error, fail_at, 0
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        self.calls += 1
+        if self.error is not None and self.calls > self.fail_at:
+            raise self.error
+        return super().step(closure)
+
+
+def _one_linear() -> nn.Sequential:
+    """Linear(2→1), weights 1, no bias: for x = [3, 4] and loss = output.sum(), weight.grad = [3, 4], norm 5."""
+    lin = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+    return nn.Sequential(lin)
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["loop_raises", "ctrl_c", "oom_in_optimizer"],
+)
+def test_an_interrupted_step_keeps_its_loss_scale_and_an_unscaled_grad_norm(where: str) -> None:
+    model = _one_linear()
+    error: BaseException = {
+        "loop_raises": Interrupt("stop"),
+        "ctrl_c": KeyboardInterrupt(),
+        "oom_in_optimizer": torch.OutOfMemoryError("CUDA out of memory (raised by the test)"),
+    }[where]
+    opt = FailingSGD(model.parameters(), error if where == "oom_in_optimizer" else None, fail_at=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    x = torch.tensor([[3.0, 4.0]])
+    with pytest.raises(type(error)), nantrace.trace(model, scaler=scaler, optimizer=opt) as tr:
+        for i in range(2):
+            opt.zero_grad()
+            scaler.scale(model(x).sum()).backward()
+            if i == 1 and where != "oom_in_optimizer":
+                raise error  # after backward, before scaler.step()/update()
+            scaler.step(opt)
+            scaler.update()
+    st = tr.steps
+    assert st["step"].tolist() == [0, 1]
+    assert st["scale"].tolist() == [SCALE, SCALE]
+    assert st["grad_norm"].tolist() == [5.0, 5.0]  # unscaled: not 5 * 32768
+    assert st["skipped"].isna().tolist() == [False, True]  # step 1 never reached update(): not known
+    r = tr.records
+    grads = r[(r["phase"] == "backward") & (r["step"] == 1)]
+    assert grads["tensor"].tolist() == ["grad_output[0]", "weight.grad"]
+    assert grads["scale"].tolist() == [SCALE, SCALE]
+    assert grads["absmax"].tolist() == [SCALE, 4 * SCALE]  # recorded as scaled, and said so by `scale`
+
+
+def test_a_disabled_scaler_records_no_scale() -> None:
+    model = _one_linear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    with nantrace.trace(model, scaler=scaler, optimizer=opt) as tr:
+        scaler.scale(model(torch.tensor([[3.0, 4.0]])).sum()).backward()
+    assert tr.steps["scale"].isna().tolist() == [True]
+    assert tr.steps["grad_norm"].tolist() == [5.0]
+    assert tr.records["scale"].tolist() == [1.0] * len(tr.records)
