@@ -31,12 +31,14 @@ __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
     "footer",
+    "joined_records",
     "make_header",
     "read_header",
     "read_meta",
     "read_records",
     "read_trace",
     "segments",
+    "segments_records",
     "streamed_records",
     "write_trace",
 ]
@@ -236,6 +238,20 @@ def streamed_records(path: Path, in_memory: pd.DataFrame) -> pd.DataFrame:
     on_disk = read_records(path)
     if not len(in_memory):
         return on_disk
+    return canonical_records(pd.concat([_plain(on_disk), _plain(in_memory)], ignore_index=True))
+
+
+def segments_records(segs: list[Path]) -> pd.DataFrame:
+    """The ``records`` of the given segment files of a stream still being written (in order), as one table."""
+    return canonical_records(pd.concat([_plain_records(s) for s in segs], ignore_index=True))
+
+
+def joined_records(on_disk: pd.DataFrame, in_memory: pd.DataFrame) -> pd.DataFrame:
+    """``on_disk`` rows followed by ``in_memory`` rows, as one canonical ``records`` table."""
+    if not len(in_memory):
+        return on_disk
+    if not len(on_disk):
+        return in_memory
     return canonical_records(pd.concat([_plain(on_disk), _plain(in_memory)], ignore_index=True))
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from . import _explain, _io, _readiness, _report, _repro, _tensorboard, _watched
 from ._errors import NantraceError
-from ._format import streamed_records
+from ._format import joined_records, segments_records, streamed_records
 from ._live import Live
 from ._options import ModuleFilter, TraceOptions
 from ._recording import Recording
@@ -67,6 +67,9 @@ class Trace:
         self._loaded: RunView | None = None
         self._live: Live | None = None
         self._streamed: pd.DataFrame | None = None
+        self._flushed: tuple[int, pd.DataFrame] | None = (
+            None  # (segments read, their records) while streaming
+        )
         self._watch: Watch | None = None
         rec = self._recording
         if opts.live_every is not None and rec.world_size > 1:
@@ -77,6 +80,7 @@ class Trace:
     def _of_view(cls, view: RunView) -> Trace:
         tr = cls.__new__(cls)
         tr._recording, tr._loaded, tr._live, tr._streamed = None, view, None, None
+        tr._flushed = None
         tr._watch = None
         return tr
 
@@ -90,6 +94,11 @@ class Trace:
             if self._streamed is None:
                 self._streamed = streamed_records(rec.stream_path, rec.store.records())
             return view_of(rec, self._streamed)
+        segs = list(getattr(rec.store, "stream_segments", ()))
+        if rec.stream_path is not None and segs:  # still streaming: the segments written so far, then memory
+            if self._flushed is None or self._flushed[0] != len(segs):
+                self._flushed = (len(segs), segments_records(segs))  # read again only when a segment is added
+            return view_of(rec, joined_records(self._flushed[1], rec.store.records()))
         return view_of(rec)
 
     # ------------------------------------------------------------------ context manager
@@ -188,8 +197,10 @@ class Trace:
     def records(self) -> pd.DataFrame:
         """One row per recorded tensor (see README "records columns"); steps closed so far.
 
-        With ``trace(path=...)``, inside ``with`` this holds the steps not yet written to the file (at most
-        ``flush_every``); after exit it is the whole run, read back from the file.
+        With ``trace(path=...)`` it is the whole run too: inside ``with`` the steps already written (read back
+        from the flushed segments, again only when one is added) followed by those still in memory (at most
+        ``flush_every``), after exit the file; :meth:`first_overflow`, :meth:`overflows` and :meth:`diagnose`
+        see the same steps.
 
         Each access returns a new copy (cheap under pandas Copy-on-Write, a deep copy with pandas 2 without it):
         changing the returned frame, also in place, never changes the trace or what its locator finds. The same
@@ -347,6 +358,7 @@ def trace_of(recording: Recording, watch: Watch | None = None) -> Trace:
     (with the :class:`~nantrace._watch.Watch` that drives it, if any: ``Trace.step`` then goes through it)."""
     tr = Trace.__new__(Trace)
     tr._recording, tr._loaded, tr._live, tr._streamed = recording, None, None, None
+    tr._flushed = None
     tr._watch = watch
     return tr
 

@@ -71,3 +71,32 @@ def test_streaming_rejects_bad_paths_and_flush_every(tmp_path: Path) -> None:
         nantrace.trace(m, path=tmp_path / "no" / "x.nantrace")
     with pytest.raises(ValueError, match="flush_every"):
         nantrace.trace(m, path=tmp_path / "x.nantrace", flush_every=0)
+
+
+def test_during_the_run_every_step_is_seen_flushed_or_not(tmp_path: Path) -> None:
+    """Issue 18 item 8: the overflow at step 3 is still found at step 9, after its step was written and dropped
+    from memory; records, overflows() and diagnose() see the same steps as after exit."""
+    path = tmp_path / "live.nantrace"
+    m = _model()
+    seen: dict[int, tuple] = {}
+    with nantrace.trace(m, path=path, flush_every=2) as tr:
+        for step in range(10):
+            with torch.no_grad():
+                m(_x(step))
+            if step in (5, 9):  # step `step` is still open: steps 0..step-1 are closed
+                in_memory = sorted(set(tr._recording.store.records()["step"].tolist()))
+                ov = tr.first_overflow()
+                seen[step] = (
+                    in_memory,
+                    sorted(set(tr.records["step"].tolist())),
+                    len(tr.records),
+                    (ov.step, ov.phase, ov.module, ov.tensor, ov.kind),
+                    tr.overflows()[["step", "module", "kind"]].values.tolist(),
+                    tr.diagnose().cause,
+                )
+    where = (3, "forward", "1", "output", "inf")
+    # steps 0-3 (then 4-7) were written and dropped from memory when step 3 (then 7) closed
+    assert seen[5] == ([4], [0, 1, 2, 3, 4], 5 * 6, where, [[3, "1", "inf"]], "forward_overflow")
+    assert seen[9] == ([8], list(range(9)), 9 * 6, where, [[3, "1", "inf"]], "forward_overflow")
+    assert tr.diagnose().cause == "forward_overflow"
+    assert len(tr.records) == 10 * 6
