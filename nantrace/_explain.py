@@ -375,8 +375,11 @@ def hunt_hint(view: RunView, ev: Event) -> str:
     internal = phase == "forward" and ev.op is not None and int(ev.row[f"n_{ev.raw_kind}"]) == 0
     internal = internal and ev.op != CAST_OP  # autocast's cast of a weight: the layer is the answer
     mtype = str(f["module_type"])
-    is_builtin = view.model.builtin(module) if view.model is not None else None
-    if is_builtin is None:
+    known = view.meta.builtin_modules  # recorded while the model lived, saved with the trace
+    is_builtin = (module in known) if known is not None else None
+    if is_builtin is None and view.model is not None:
+        is_builtin = view.model.builtin(module)
+    if is_builtin is None:  # a file written before builtin_modules was recorded: judged by the class name
         layer = getattr(torch.nn, mtype, None)
         is_builtin = isinstance(layer, type) and issubclass(layer, torch.nn.Module)
     if not internal and n_sub == 0 and is_builtin:

@@ -86,9 +86,12 @@ def make_header(
     world_size: int,
     run_id: str | None,
     bad_samples: Any = (),
+    builtin_modules: Any = None,
 ) -> dict[str, Any]:
     """The JSON header of a trace file (``saved_at`` is now). ``bad_samples``: rows ``(rank, step, micro_step,
-    tensor, n_bad, first indices)`` of the model inputs that held inf/NaN (:mod:`nantrace._samples`)."""
+    tensor, n_bad, first indices)`` of the model inputs that held inf/NaN (:mod:`nantrace._samples`).
+    ``builtin_modules``: the traced modules that run torch's own ``forward`` (None: not known), which the
+    explanations read, so a loaded trace words them as the live one did."""
     from ._version import __version__
 
     return {
@@ -105,6 +108,7 @@ def make_header(
         "run_id": run_id,
         "saved_at": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
         "bad_samples": [[r, s, m, p, n, list(f)] for r, s, m, p, n, f in bad_samples],
+        "builtin_modules": None if builtin_modules is None else sorted(builtin_modules),
     }
 
 

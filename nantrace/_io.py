@@ -54,6 +54,7 @@ def save_view(view: RunView, path: str | os.PathLike[str], *, recording: bool) -
         world_size=m.world_size,
         run_id=m.run_id,
         bad_samples=m.bad_samples,
+        builtin_modules=m.builtin_modules,
     )
     return write_trace(target, records, view.steps, view.ops, head)
 

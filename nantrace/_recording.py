@@ -29,7 +29,7 @@ from ._files import check_target
 from ._format import MAGIC, footer, make_header
 from ._hooks import Recorder, in_backward
 from ._masks import FEATURES, mask_named, mask_rows
-from ._naming import is_sharded, module_names
+from ._naming import is_sharded, module_names, torch_builtin
 from ._options import TraceOptions, compile_filter
 from ._procgroup import part_target, process_group, shared_run_id
 from ._samples import SampleWatch
@@ -133,6 +133,10 @@ class Recording:
         )
         self.model_ref = weakref.ref(model)
         self.root_name, self.root = named[0]
+        # which traced modules run torch's own forward: a fact the explanations read, saved with the trace
+        self.builtin_modules = frozenset(
+            n for n, m in [(self.root_name, self.root), *self.selected] if torch_builtin(m)
+        )
         # the unwrapped model's class, as module names drop wrappers; the wrapper is named after it
         self.model_class = type(self.root).__qualname__
         if self.root is not model:
@@ -336,6 +340,7 @@ class Recording:
             world_size=self.world_size,
             run_id=self.run_id,
             bad_samples=self.samples.rows,
+            builtin_modules=self.builtin_modules,
         )
         return {MAGIC: footer(head, steps, ops)}
 

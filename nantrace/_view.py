@@ -39,6 +39,9 @@ class RunMeta:
         ranks: the ranks whose rows the view holds.
         bad_samples: ``(rank, step, micro_step, tensor, n_bad, first indices)`` for each model input that held
             inf/NaN: which samples along the batch dimension (:mod:`nantrace._samples`).
+        builtin_modules: the traced modules that run torch's own ``forward`` (``nn.Linear``, not a hand-written
+            class that shares a torch name such as ``RMSNorm``), recorded while the model lived; None when not
+            known (a file written before it was recorded).
     """
 
     model_class: str
@@ -49,6 +52,7 @@ class RunMeta:
     run_id: str | None
     ranks: tuple[int, ...]
     bad_samples: tuple[tuple[int, int, int, str, int, tuple[int, ...]], ...] = ()
+    builtin_modules: frozenset[str] | None = None
 
 
 class LiveModel:
@@ -147,6 +151,7 @@ def view_of(rec: Recording, records: pd.DataFrame | None = None) -> RunView:
         run_id=rec.run_id,
         ranks=(rec.rank,),
         bad_samples=tuple(rec.samples.rows),
+        builtin_modules=rec.builtin_modules,
     )
     rows = rec.store.records() if records is None else records
     return RunView(rows, rec.store.steps(), rec.store.ops_frame(), meta, live, rec.capture)
@@ -175,5 +180,8 @@ def loaded_view(
             (int(r), int(s), int(m), str(p), int(n), tuple(int(i) for i in f))
             for r, s, m, p, n, f in header.get("bad_samples", [])
         ),
+        builtin_modules=None
+        if header.get("builtin_modules") is None
+        else frozenset(header["builtin_modules"]),
     )
     return RunView(records, steps, ops, meta)
