@@ -16,7 +16,7 @@ from ._hooks import eager
 if TYPE_CHECKING:
     from ._recording import Recording
 
-__all__ = ["attach_optimizer", "attach_scaler", "current_lr", "param_hook", "scaler_tensor"]
+__all__ = ["applied_norm", "attach_optimizer", "attach_scaler", "current_lr", "param_hook", "scaler_tensor"]
 
 
 def scaler_tensor(scaler: torch.amp.GradScaler, attr: str) -> torch.Tensor | float | None:
@@ -61,6 +61,32 @@ def param_hook(
     return eager(hook)
 
 
+def applied_norm(r: Recording) -> None:
+    """At the start of ``optimizer.step()``: the L2 norm of the traced parameters' gradients it is about to
+    apply (unscaled by then under a GradScaler, and after any clipping the loop did), one on-device reduction
+    kept as a device tensor (``steps.applied_grad_norm``, read at the step boundary)."""
+    rec = r.rec
+    if not rec.active or "backward" not in rec.phases:
+        return
+    grads = []
+    for i, (p, _, _, _) in enumerate(r.params):
+        g = p.grad
+        if g is None or not g.is_floating_point() or g.is_sparse:
+            continue
+        if i in r.sharded_params:
+            g = g.to_local()  # type: ignore[attr-defined]
+        grads.append(g.detach())
+    if not grads:
+        return
+    devices = {g.device for g in grads}
+    if len(devices) > 1:
+        return  # parameters on several devices: not one reduction, left unknown
+    norms = torch._foreach_norm(
+        [g if g.dtype in (torch.float32, torch.float64) else g.float() for g in grads]
+    )
+    rec.pending.applied_norm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+
+
 def record_reduced(r: Recording) -> None:
     """Once per step, after backward: each parameter's gradient after DDP's all-reduce (``reduced=True``
     rows; ``steps.grad_norm`` then is the norm of these, what the optimizer applies)."""
@@ -100,6 +126,7 @@ def attach_optimizer(r: Recording, optimizer: torch.optim.Optimizer) -> None:
     r.handles.append(optimizer.register_step_post_hook(post))
     if _records_reduced(r):
         r.handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: record_reduced(r)))
+    r.handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: applied_norm(r)))
 
 
 def attach_scaler(r: Recording, scaler: torch.amp.GradScaler) -> None:

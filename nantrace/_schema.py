@@ -80,6 +80,7 @@ STEP_COLUMNS: tuple[str, ...] = (
     "n_records",
     "rank",  # extension: torch.distributed rank (0 without a process group)
     "recorded",  # extension: how the step was recorded, one of RECORDED
+    "applied_grad_norm",  # extension: L2 norm of the gradients optimizer.step() applied (after clipping)
 )
 
 # How a step was recorded: "full" (every hook), "watch" (nantrace.watch's sentinel only), "replay" (the sentinel

@@ -157,6 +157,8 @@ def canonical_steps(df: pd.DataFrame) -> pd.DataFrame:
         df["growth_tracker"] = df["growth_tracker"].astype("Int64")
     if "recorded" not in df.columns:  # written before nantrace.watch: every step recorded in full
         df["recorded"] = "full"
+    if "applied_grad_norm" not in df.columns:  # written before it was recorded: not known
+        df["applied_grad_norm"] = np.full(len(df), np.nan)
     df["recorded"] = df["recorded"].astype("string")
     return df
 
@@ -186,7 +188,7 @@ class StepRows:
 
     def append(self, row: dict[str, Any]) -> None:
         for c, a in self.cols.items():
-            v = row.get(c, "full") if c == "recorded" else row[c]
+            v = row.get(c, "full") if c == "recorded" else row.get(c) if c == "applied_grad_norm" else row[c]
             a.append(float(RECORDED.index(v)) if c == "recorded" else math.nan if v is None else float(v))
 
     def row(self, i: int) -> dict[str, Any]:
@@ -229,6 +231,7 @@ class PendingStep:
 
     losses: list[torch.Tensor] = field(default_factory=list)
     grad_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # param index -> latest L2 norm
+    applied_norm: torch.Tensor | None = None  # L2 norm of the gradients when optimizer.step() began
     scale: torch.Tensor | float | None = None
     next_scale: torch.Tensor | float | None = None
     growth_tracker: torch.Tensor | float | None = None
@@ -287,7 +290,7 @@ class Store:
             want("loss", t)
         for t in pending.grad_norms.values():
             want("grad_norm", t)
-        for key in ("scale", "next_scale", "growth_tracker", "found_inf", "lr"):
+        for key in ("scale", "next_scale", "growth_tracker", "found_inf", "lr", "applied_norm"):
             want(key, getattr(pending, key))
         for t in pending.samples:
             want("samples", t, t.numel())
@@ -340,6 +343,7 @@ class Store:
                 "growth_tracker": None if math.isnan(growth) else int(growth),
                 "lr": scalar("lr"),
                 "grad_norm": grad_norm,
+                "applied_grad_norm": scalar("applied_norm"),
                 "n_nonfinite": n_nonfinite,
                 "micro_steps": pending.micro_steps,
                 "n_records": n,
@@ -601,6 +605,7 @@ class Store:
                 "n_records": pd.array([r["n_records"] for r in rows], dtype="int64"),
                 "rank": pd.array([r["rank"] for r in rows], dtype="int64"),
                 "recorded": pd.array([r["recorded"] for r in rows], dtype="string"),
+                "applied_grad_norm": np.array([r["applied_grad_norm"] for r in rows], dtype=np.float64),
             },
             columns=list(STEP_COLUMNS),
         )

@@ -84,3 +84,51 @@ def test_a_disabled_scaler_records_no_scale() -> None:
     assert tr.steps["scale"].isna().tolist() == [True]
     assert tr.steps["grad_norm"].tolist() == [5.0]
     assert tr.records["scale"].tolist() == [1.0] * len(tr.records)
+
+
+# ------------------------------------------------------------------ grad_norm and the norm the optimizer applied
+
+
+def test_grad_norm_is_before_clipping_and_applied_grad_norm_after() -> None:
+    """Issue 18 item 10: ``grad_norm`` is the unscaled norm before clipping (5 for weight.grad = [3, 4]);
+    ``applied_grad_norm`` is what optimizer.step() applied: 5 unclipped, 5 / (5 + 1e-6) after
+    clip_grad_norm_(max_norm=1) (torch divides by the norm plus 1e-6)."""
+    model = _one_linear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    with nantrace.trace(model, scaler=scaler, optimizer=opt) as tr:
+        for clip in (False, True):
+            opt.zero_grad()
+            scaler.scale(model(torch.tensor([[3.0, 4.0]])).sum()).backward()
+            if clip:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+            scaler.step(opt)
+            scaler.update()
+    st = tr.steps
+    assert st["grad_norm"].tolist() == [5.0, 5.0]
+    assert st["applied_grad_norm"].tolist() == [5.0, pytest.approx(5.0 / (5.0 + 1e-6), rel=1e-6)]
+
+
+def test_applied_grad_norm_without_scaler_and_for_a_skipped_step() -> None:
+    model = _one_linear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nantrace.trace(model, optimizer=opt) as tr:
+        opt.zero_grad()
+        loss = model(torch.tensor([[3.0, 4.0]])).sum()
+        tr.step(loss=loss)
+        loss.backward()
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)  # [3, 4] -> [1, 1]
+        opt.step()
+    assert tr.steps["grad_norm"].tolist() == [5.0]
+    assert tr.steps["applied_grad_norm"].tolist() == [pytest.approx(2**0.5, rel=1e-7)]
+    # a step the GradScaler skipped never reached optimizer.step(): nothing was applied, not known
+    model = _one_linear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # 4 * 2**127 overflows float32: skipped
+    with nantrace.trace(model, scaler=scaler, optimizer=opt) as tr:
+        scaler.scale(model(torch.tensor([[3.0, 4.0]])).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert tr.steps["skipped"].tolist() == [True]
+    assert tr.steps["applied_grad_norm"].isna().tolist() == [True]
