@@ -3,8 +3,9 @@ traces captured, then each trace is saved and loaded back, and the loaded trace 
 one: ``first_overflow()`` (every kind: fields and message), ``overflows()`` and ``diagnose().to_dict()``.
 
 The scenarios are the test functions themselves (CASES C01-C14 in ``test_cases.py``, the diagnosis scenarios
-of ``test_diagnose.py``, the locator facts of ``test_locator_facts.py``): whatever trace they build, through
-``nantrace.trace`` or ``nantrace.watch``, is compared."""
+of ``test_diagnose.py``, the locator facts of ``test_locator_facts.py``, and those of ``test_watch.py`` and
+``test_why.py`` that take no fixture): whatever trace they build, through ``nantrace.trace`` or
+``nantrace.watch``, is compared."""
 
 from __future__ import annotations
 
@@ -18,13 +19,20 @@ import pytest
 import test_cases
 import test_diagnose
 import test_locator_facts
+import test_watch
+import test_why
 import torch
 from torch import nn
 
 import nantrace
 
-SOURCES = (test_cases, test_diagnose, test_locator_facts)
-NO_TRACE = {"test_diagnose.test_every_cause_is_covered_above"}  # checks the other tests' table: runs no trace
+SOURCES = (test_cases, test_diagnose, test_locator_facts, test_watch, test_why)
+NO_TRACE = {  # scenarios over built frames or the other tests' tables: they run no trace
+    "test_diagnose.test_every_cause_is_covered_above",
+    "test_why.test_grad_norm_never_recorded_says_so",
+    "test_why.test_grad_norm_recorded_once_is_not_a_trend",
+    "test_why.test_grad_norm_trend_quotes_first_and_last_values_with_their_steps",
+}
 
 
 def _scenarios() -> list[Any]:
