@@ -81,10 +81,9 @@ def applied_norm(r: Recording) -> None:
     devices = {g.device for g in grads}
     if len(devices) > 1:
         return  # parameters on several devices: not one reduction, left unknown
-    norms = torch._foreach_norm(
-        [g if g.dtype in (torch.float32, torch.float64) else g.float() for g in grads]
-    )
-    rec.pending.applied_norm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    # each norm accumulated and returned in float32 (no float32 copy of a float16 gradient; no fp16 overflow)
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    rec.pending.applied_norm = torch.linalg.vector_norm(torch.stack(norms))
 
 
 def record_reduced(r: Recording) -> None:

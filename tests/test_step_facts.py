@@ -132,3 +132,17 @@ def test_applied_grad_norm_without_scaler_and_for_a_skipped_step() -> None:
         scaler.update()
     assert tr.steps["skipped"].tolist() == [True]
     assert tr.steps["applied_grad_norm"].isna().tolist() == [True]
+
+
+def test_applied_grad_norm_of_float16_gradients_past_65504_is_finite() -> None:
+    """Pure float16 parameters: gradients [40000, 40000] have norm 56568.5 (finite in float16) but the sum of
+    squares is not; the norm is accumulated in float32: 40000 * sqrt(2), not inf."""
+    lin = nn.Linear(2, 1, bias=False).half()
+    model = nn.Sequential(lin)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nantrace.trace(model, optimizer=opt) as tr:
+        loss = model(torch.full((1, 2), 40000.0, dtype=torch.float16)).sum()
+        tr.step(loss=loss)
+        loss.backward()
+        opt.step()
+    assert tr.steps["applied_grad_norm"].tolist() == [pytest.approx(40000 * 2**0.5, rel=1e-6)]
