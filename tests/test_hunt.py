@@ -524,9 +524,9 @@ def test_hunt_hint_judges_built_in_by_where_forward_is_defined(tmp_path: Path) -
         assert ("nantrace.hunt" in str(ov)) is hinted, str(ov)
         if hinted:
             assert "`0` is hand-written code (Linear)" in str(ov)
-        assert ("nantrace.hunt" in str(nantrace.load(tr.save(tmp_path / "t.nantrace")).first_overflow())) is (
-            not hinted  # a loaded trace has no model: the class-name rule (MyLinear: hint; Linear: none)
-        )
+        # the trace file keeps which modules run torch's own forward: the loaded trace words it the same way
+        back = nantrace.load(tr.save(tmp_path / "t.nantrace"))
+        assert str(back.first_overflow()) == str(ov)
 
 
 def test_backward_nan_is_explained_as_an_invalid_operation_not_an_overflow() -> None:
