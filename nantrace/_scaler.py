@@ -81,8 +81,12 @@ def applied_norm(r: Recording) -> None:
     devices = {g.device for g in grads}
     if len(devices) > 1:
         return  # parameters on several devices: not one reduction, left unknown
-    # each norm accumulated and returned in float32 (no float32 copy of a float16 gradient; no fp16 overflow)
-    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    # float16/bfloat16/float32 norms accumulated in float32 (no float32 copy of a float16 gradient, no float16
+    # overflow of the norm); float64 ones in float64 (foreach refuses to narrow them)
+    narrow = [g for g in grads if g.dtype != torch.float64]
+    wide = [g for g in grads if g.dtype == torch.float64]
+    norms = list(torch._foreach_norm(narrow, 2, dtype=torch.float32)) if narrow else []
+    norms += [n.float() for n in torch._foreach_norm(wide)] if wide else []
     rec.pending.applied_norm = torch.linalg.vector_norm(torch.stack(norms))
 
 

@@ -146,3 +146,20 @@ def test_applied_grad_norm_of_float16_gradients_past_65504_is_finite() -> None:
         loss.backward()
         opt.step()
     assert tr.steps["applied_grad_norm"].tolist() == [pytest.approx(40000 * 2**0.5, rel=1e-6)]
+
+
+def test_applied_grad_norm_of_float64_and_float16_parameters_together() -> None:
+    """weight.grad [3, 4] in float64 and a float16 bias's gradient 12 (norm sqrt(25 + 144) = 13)."""
+    lin64 = nn.Linear(2, 1, bias=False).double()
+    with torch.no_grad():
+        lin64.weight.fill_(1.0)
+    bias = nn.Parameter(torch.zeros(1, dtype=torch.float16))
+    model = nn.Sequential(lin64)
+    model.register_parameter("b", bias)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nantrace.trace(model, optimizer=opt) as tr:
+        loss = model(torch.tensor([[3.0, 4.0]], dtype=torch.float64)).sum() + 12 * bias.float().sum()
+        tr.step(loss=loss)
+        loss.backward()
+        opt.step()
+    assert tr.steps["applied_grad_norm"].tolist() == [13.0]
