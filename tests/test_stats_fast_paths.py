@@ -1,0 +1,110 @@
+"""The cheaper CPU statistics paths give exactly the statistics of the numpy reference.
+
+``stats_host`` takes min/max as ``amin`` + ``amax`` for large float32/float64 tensors
+(``_stats.SPLIT_MINMAX_ELEMENTS``) and finds the smallest ``|x|`` of a tensor holding both signs from integer
+minima over its bits (``_stats._least_magnitude``), falling back to the ``|x|`` pass when a ``+0.0`` or
+``-0.0`` is present. Each case below is built so that one branch decides: the value nearest zero negative or
+positive, a lone ``-0.0`` or ``+0.0``, subnormals, a NaN or inf in a large tensor, strided views, every dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import test_stats_properties
+import torch
+
+from nantrace import _stats
+from nantrace._stats import stats_device, stats_host
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+BIG = _stats.SPLIT_MINMAX_ELEMENTS + 17  # above the split threshold, not a multiple of anything
+
+
+def _same(got: tuple[float, ...] | list[float], ref: list[float]) -> bool:
+    return all((math.isnan(g) and math.isnan(r)) or g == r for g, r in zip(got, ref, strict=True))
+
+
+def _base(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Values of both signs with |x| in [1, 2): no zero, nothing near zero."""
+    g = torch.Generator().manual_seed(seed)
+    mag = 1.0 + torch.rand(n, generator=g, dtype=torch.float64)
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+    return (mag * sign).to(dtype)
+
+
+def _cases(n: int, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    tiny = torch.finfo(dtype).tiny  # smallest normal; tiny / 4 is subnormal
+    out = []
+    for name, plant in [
+        ("nearest zero is negative", {7: -tiny * 8, n // 2: tiny * 16}),
+        ("nearest zero is positive", {7: -tiny * 16, n // 2: tiny * 8}),
+        ("a tie of the two signs", {3: -tiny * 8, n - 2: tiny * 8}),
+        ("subnormal nearest zero", {5: tiny / 4, 6: -tiny / 2}),
+        ("a lone -0.0", {n - 1: -0.0, 9: tiny * 4}),
+        ("a lone +0.0", {0: 0.0, 9: -tiny * 4}),
+        ("both zeros", {1: 0.0, 2: -0.0}),
+        ("a nan", {11: math.nan}),
+        ("+inf and -inf", {11: math.inf, 12: -math.inf}),
+        ("the dtype's extremes", {4: torch.finfo(dtype).max, 8: -torch.finfo(dtype).max}),
+    ]:
+        t = _base(n, dtype, seed=len(out))
+        for i, v in plant.items():
+            t[i] = v
+        out.append((name, t))
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("n", [64, BIG], ids=["small", "above the split threshold"])
+def test_fast_paths_match_the_numpy_reference(dtype: torch.dtype, n: int) -> None:
+    for name, t in _cases(n, dtype):
+        ref = test_stats_properties.reference(t)
+        assert _same(stats_host(t), ref), (name, stats_host(t), ref)
+        assert _same(stats_device(t).tolist(), ref), name
+        strided = t.view(-1, 1).expand(-1, 2).t()  # stride-0 and transposed: the bits are read in place
+        assert _same(stats_host(strided), test_stats_properties.reference(strided)), name
+
+
+def test_the_smallest_magnitude_comes_from_the_right_sign() -> None:
+    t = torch.tensor([3.0, -0.25, 0.5, -2.0])
+    assert stats_host(t) == (-2.0, 3.0, 3.0, 0.25, 0.0, 0.0, 0.0, 0.0)
+    t = torch.tensor([-3.0, 0.25, -0.5, 2.0])
+    assert stats_host(t) == (-3.0, 2.0, 3.0, 0.25, 0.0, 0.0, 0.0, 0.0)
+    t = torch.tensor([-1.0, -0.0, 2.0])  # -0.0 counts as a zero and is not the smallest non-zero |x|
+    assert stats_host(t) == (-1.0, 2.0, 2.0, 1.0, 0.0, 0.0, 0.0, 1.0)
+    t = torch.tensor([-1.0, 1e-45, 2.0])  # the smallest float32 subnormal
+    assert stats_host(t)[3] == torch.tensor(1e-45).item()
+
+
+def test_least_magnitude_reads_bits_without_a_temporary_and_flags_zeros() -> None:
+    x = torch.tensor([3.0, -0.25, 0.5])
+    bits = _stats._least_magnitude(x)
+    assert bits == torch.tensor([0.25]).view(torch.int32).item()
+    assert _stats._least_magnitude(torch.tensor([1.0, -1.0, 0.0])) == 0
+    assert _stats._least_magnitude(torch.tensor([1.0, -1.0, -0.0])) == 0
+
+
+def test_a_negative_bit_view_is_described_by_its_values() -> None:
+    x = torch.tensor([1.0, -2.0, 3.0, -0.5])
+    view = torch._neg_view(x)  # a lazy negation numpy cannot read in place: the |x| path takes it
+    assert view.is_neg()
+    assert stats_host(view) == (-3.0, 2.0, 3.0, 0.5, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_large_float32_takes_two_reductions_and_small_ones_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    orig = torch.aminmax
+
+    def counting(t: torch.Tensor, *args: object, **kwargs: object) -> object:
+        calls.append(t.numel())
+        return orig(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "aminmax", counting)
+    big = _base(BIG, torch.float32, seed=1)
+    assert stats_host(big)[:2] == (float(big.min()), float(big.max()))
+    assert calls == []
+    stats_host(big[:100])
+    stats_host(big.half())  # float16: aminmax at every size
+    assert calls == [100, BIG]
