@@ -87,8 +87,11 @@ def test_least_magnitude_reads_bits_without_a_temporary_and_flags_zeros() -> Non
 
 
 def test_a_negative_bit_view_is_described_by_its_values() -> None:
+    neg_view = getattr(torch, "_neg_view", None)
+    if neg_view is None:
+        pytest.skip("this torch has no torch._neg_view")
     x = torch.tensor([1.0, -2.0, 3.0, -0.5])
-    view = torch._neg_view(x)  # a lazy negation numpy cannot read in place: the |x| path takes it
+    view = neg_view(x)  # a lazy negation numpy cannot read in place: the |x| path takes it
     assert view.is_neg()
     assert stats_host(view) == (-3.0, 2.0, 3.0, 0.5, 0.0, 0.0, 0.0, 0.0)
 
