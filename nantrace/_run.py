@@ -330,8 +330,9 @@ class _Session:
                 self._bind_optimizer(opt)
         if scaler is not None:
             self._bind_scaler(tr, scaler)
-        # Hooks registered inside a module call do not run for that call: run the root's pre-hook ourselves.
-        tr.run_pre_hook(module, args, kwargs)
+        # Hooks registered inside a module call do not run for that call: run the root's pre-hooks ourselves
+        # (the sentinel's too: with --watch and no periodic full step, step 0 is watched from its first call).
+        (watch or tr).run_pre_hook(module, args, kwargs)
 
     def _name(self, module: nn.Module) -> str:
         base = type(module).__name__.lower()

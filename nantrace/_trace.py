@@ -492,8 +492,9 @@ def watch(
     the same answer as ``nantrace.trace`` would on the same run.
 
     Every step, the sentinel checks the root's inputs and outputs, the loss, the gradients arriving at the
-    outputs (one float32 sum per tensor: inf/NaN propagate into it), the gradients before ``optimizer.step()``
-    (one fused ``torch._foreach_norm``, beside the GradScaler's found-inf) and the parameters after it. Its
+    outputs (one ``torch.aminmax`` per tensor: NaN and ±inf show in it), the gradients before
+    ``optimizer.step()`` (one fused ``torch._foreach_norm``, beside the GradScaler's found-inf) and the
+    parameters after it. Its
     flags stay device tensors, read once before ``optimizer.step()`` and once at the step boundary (never
     inside a hook). ``steps`` gets a row per step (loss, scale, skipped, lr, growth tracker, grad norm).
 

@@ -5,9 +5,10 @@ A :class:`Watch` composes a :class:`~nantrace._recording.Recording` whose hooks 
 full steps and during a replay. On the other steps the sentinel keeps, per micro-step (root forward): the root's
 inputs (detached references, their ``_version``), the CPU and accelerator RNG states, the autocast state and
 grad mode at the root forward, and the gradients that arrive at the root's outputs. Its flags are device
-tensors: one float32 sum per input and output tensor, per loss and per output gradient (inf/NaN propagate into a
-sum), one fused ``torch._foreach_norm`` over the gradients before ``optimizer.step()`` (beside the GradScaler's
-found-inf) and one over the parameters after it. The flags are read once before ``optimizer.step()`` (where
+tensors: one ``torch.aminmax`` per input and output tensor, per loss and per output gradient (NaN propagates
+into the minimum and maximum, ±inf is the extreme, and a large finite value cannot overflow it), one fused
+``torch._foreach_norm`` over the gradients before ``optimizer.step()`` (beside the GradScaler's found-inf) and
+one over the parameters after it. The flags are read once before ``optimizer.step()`` (where
 the GradScaler reads its found-inf) and the parameter flag once at the step boundary, never inside a hook.
 
 When a flag is non-finite, every micro-step of the step is replayed with the recording on, before
@@ -88,25 +89,42 @@ def _detach(obj: Any) -> Any:
     return obj
 
 
-def _sums(items: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor] | None:
-    """One sum per floating tensor (inf/NaN propagate into it), stacked; None if there is none. float16 sums in
-    float32 (65504 · numel cannot overflow it); wider dtypes in float64, so a sum of large finite values stays
-    finite."""
-    paths, sums = [], []
+def _extremes(items: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor] | None:
+    """The minimum and maximum of each floating tensor (one fused ``torch.aminmax`` pass, in its own dtype:
+    NaN propagates into both, ±inf shows as the extreme, a large finite value never overflows), stacked as
+    ``[min0, max0, min1, max1, …]`` with each path named twice; None if there is none."""
+    paths: list[str] = []
+    ends: list[torch.Tensor] = []
     for path, t in items:
         if t.is_floating_point() and t.numel() and type(t) is torch.Tensor:
-            paths.append(path)
-            wide = torch.float32 if t.dtype == torch.float16 else torch.float64
-            sums.append(t.detach().sum(dtype=wide))
-    if not sums:
+            paths += (path, path)
+            ends += torch.aminmax(t.detach())
+    if not ends:
         return None
-    return paths, torch.stack([s.to(sums[0].device) for s in sums])
+    device = ends[0].device
+    wide = (
+        torch.float64 if any(e.dtype == torch.float64 for e in ends) else torch.float32
+    )  # 1e300 stays finite
+    return paths, torch.stack([e.to(device=device, dtype=wide) for e in ends])
 
 
 def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor float32 L2 norms, fused (``torch._foreach_norm``), on the first tensor's device."""
-    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-    return torch.stack([n.to(norms[0].device) for n in norms])
+    """Per-tensor L2 norms, fused (``torch._foreach_norm``), accumulated in float32 (float64 tensors in
+    float64, which cannot be narrowed), on the first tensor's device."""
+    wide = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]
+    if not wide:
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        return torch.stack([n.to(norms[0].device) for n in norms])
+    narrow = [i for i in range(len(tensors)) if i not in set(wide)]
+    got = dict(zip(wide, torch._foreach_norm([tensors[i] for i in wide], 2), strict=True))
+    if narrow:
+        got.update(
+            zip(
+                narrow, torch._foreach_norm([tensors[i] for i in narrow], 2, dtype=torch.float32), strict=True
+            )
+        )
+    device = tensors[0].device
+    return torch.stack([got[i].to(device=device, dtype=torch.float64) for i in range(len(tensors))])
 
 
 def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
@@ -168,6 +186,7 @@ class Watch:
         self.opt_mode = "full"
         self.handles: list[RemovableHandle] = []
         self.tensor_handles: list[RemovableHandle] = []
+        self.names: dict[Any, tuple[list[str], list[tuple[str, str]]]] = {}  # see _param_names
         self.sentinel: dict[str, dict[str, Any]] = {}  # step -> what the sentinel saw (steps it flagged)
         recording.options["watch"] = {"every": every, "sentinel": self.sentinel}
         recording.add_step_observer(self._on_step_closed)
@@ -215,6 +234,13 @@ class Watch:
             self._hook_optimizer(r.optimizer)
         if r.scaler is not None and had_scaler is None:
             self._wrap_scaler(r.scaler)
+
+    def run_pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Run the sentinel's root pre-hook, then the recording's, by hand, in the order they run when
+        attached (``nantrace run`` attaches during the root's first call, whose pre-hooks have already run)."""
+        if module is self.r.root:
+            self._pre(module, args, kwargs)
+        self.r.run_pre_hook(module, args, kwargs)
 
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.handles.append(optimizer.register_step_pre_hook(self._opt_pre))
@@ -421,7 +447,7 @@ class Watch:
         self._flag("loss", items)
 
     def _flag(self, phase: str, items: list[tuple[str, torch.Tensor]], micro: int | None = None) -> None:
-        got = _sums(items)
+        got = _extremes(items)
         if got is not None:
             index = len(self.micro) - 1 if micro is None else micro
             self.flags.append(_Flag(phase, max(index, 0), got[0], got[1]))
@@ -436,19 +462,14 @@ class Watch:
             return
         r = self.r
         with torch.no_grad():
-            params = [(p, m, t, n) for p, m, t, n in r.params if p.is_floating_point()]
-            if params:
-                owners = [(r.store.modules.values[m], r.store.types.values[t]) for _, m, t, _ in params]
-                values = _norms([p.detach() for p, _, _, _ in params])
-                flag = _Flag(
-                    "optimizer",
-                    max(len(self.micro) - 1, 0),
-                    [n for *_, n in params],
-                    values,
-                    owners,
-                    [p for p, _, _, _ in params],
+            index = tuple(i for i, (p, _, _, _) in enumerate(r.params) if p.is_floating_point())
+            if index:
+                tensors: list[torch.Tensor] = [r.params[i][0] for i in index]
+                paths, owners = _param_names(self.r, self.names, index, "")
+                values = _norms([p.detach() for p in tensors])
+                self.param_flag = _Flag(
+                    "optimizer", max(len(self.micro) - 1, 0), paths, values, owners, tensors
                 )
-                self.param_flag = flag
         if opt.param_groups:
             r.rec.pending.lr = current_lr(opt)
         if r.scaler is None and not r.manual_steps:
@@ -463,11 +484,7 @@ class Watch:
         grads = [(i, g) for i, g in grads if g.is_floating_point() and not g.is_sparse]
         if grads:
             norms = _norms([g.detach() for _, g in grads])
-            owners = [
-                (r.store.modules.values[r.params[i][1]], r.store.types.values[r.params[i][2]])
-                for i, _ in grads
-            ]
-            paths = [r.params[i][3] + ".grad" for i, _ in grads]
+            paths, owners = _param_names(self.r, self.names, tuple(i for i, _ in grads), ".grad")
             total = torch.linalg.vector_norm(norms)
             scale = r.scaler._scale if r.scaler is not None and r.scaler.is_enabled() else None
             if not scaled and scale is not None:
@@ -542,6 +559,27 @@ class Watch:
         finally:
             self.replaying = False
             r.rec.active = False
+
+
+def _param_names(
+    r: Recording,
+    cache: dict[Any, tuple[list[str], list[tuple[str, str]]]],
+    index: tuple[int, ...],
+    suffix: str,
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """The paths (parameter name + ``suffix``) and owners (module, module_type) of the parameters at ``index``
+    in ``r.params``, built once per distinct set and kept in ``cache`` (no Python work per parameter per
+    step)."""
+    key = (index, suffix)
+    got = cache.get(key)
+    if got is None:
+        params = [r.params[i] for i in index]
+        got = (
+            [name + suffix for *_, name in params],
+            [(r.store.modules.values[m], r.store.types.values[t]) for _, m, t, _ in params],
+        )
+        cache[key] = got
+    return got
 
 
 def _replay_micro_steps(r: Recording, micros: list[_Micro]) -> None:

@@ -171,6 +171,37 @@ def test_fp16_plugin_bad_batch_is_a_data_fault_and_is_logged(tmp_path: Path) -> 
     ]
 
 
+@pytest.mark.parametrize(("watch", "first"), [(True, "full"), (None, "watch")])
+def test_watch_replays_the_bad_batch_and_names_the_same_data_fault(
+    tmp_path: Path, watch: bool | None, first: str
+) -> None:
+    """watch=True (a full step every 100: step 0) and watch=None (no full step): the sentinel flags step 3's
+    NaN input, the replay records it as trace does (22 non-finite rows), and training is bit-identical."""
+    plain, traced = Regressor(), NanTraceCallback()
+    fit(tmp_path / "traced", traced, plain)
+    cb = NanTraceCallback(watch=watch)
+    module = Regressor()
+    trainer, _ = fit(tmp_path / "watched", cb, module)
+    tr = cb.trace
+    assert_data_fault(tr)
+    assert tr is not None and traced.trace is not None
+    fields = ("step", "micro_step", "phase", "module", "module_type", "call", "tensor", "kind")
+    ours, theirs = tr.first_overflow(), traced.trace.first_overflow()
+    assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields]
+    steps = tr.steps
+    assert steps["recorded"].tolist() == [first, "watch", "watch", "replay", "watch"]
+    assert steps["skipped"].tolist() == [False, False, False, True, False]
+    assert steps["scale"].tolist() == [16.0, 16.0, 16.0, 16.0, 8.0]
+    assert steps["n_nonfinite"].tolist() == [0, 0, 0, 22, 0]
+    assert set(tr.records["step"]) == ({0, BAD_STEP} if first == "full" else {BAD_STEP})
+    # bit-identical to the traced run (repr: exact, and NaN equals NaN): the replay changed nothing
+    assert [repr(v) for v in module.losses] == [repr(v) for v in plain.losses]
+    for a, b in zip(module.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_data_fault(nantrace.load(Path(trainer.log_dir) / "trace.nantrace"))
+    assert hooks_left(module) == 0
+
+
 def test_gradient_accumulation_steps_are_optimizer_steps(tmp_path: Path) -> None:
     # accumulate_grad_batches=2: batches 2 and 3 form step 1, and sample 13 is in batch 3 (micro-step 1)
     cb = NanTraceCallback()

@@ -522,6 +522,46 @@ def test_cli_run_watch_option(tmp_path: Any, capsys: pytest.CaptureFixture[str])
     assert steps["recorded"].tolist() == ["full", "watch", "watch", "replay", "replay"]
 
 
+def test_nantrace_run_watch_without_full_steps_watches_the_first_call(tmp_path: Any) -> None:
+    """``nantrace run`` attaches during the root's first call: the sentinel's pre-hook must run for it too, or
+    with ``every=None`` a fault in step 0's inputs is never seen."""
+    from nantrace._run import run_script
+
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT.replace("if step == 3:", "if step == 0:"))
+    out = tmp_path / "out"
+    out.mkdir()
+    result = run_script(script, out=out, watch=None)
+    assert result.exit_code == 0
+    (tr,) = result.traces.values()
+    # SGD writes step 0's NaN gradients into the weights: every later step's forward is non-finite too
+    assert tr.steps["recorded"].tolist() == ["replay"] * 5
+    assert _fields(tr.first_overflow()) == (0, 0, "data", "", "Sequential", 0, "input[0]", "nan")
+    assert tr.overflows()["phase"].tolist() == ["data", "forward", "forward", "forward", "forward"]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value"), [(torch.float32, 3e38), (torch.float64, 1e300), (torch.float16, 65504.0)]
+)
+def test_large_finite_inputs_and_outputs_are_not_flagged(dtype: torch.dtype, value: float) -> None:
+    """A sum of these inputs and outputs overflows their dtype (and float32): the sentinel's check must not, so
+    no step is replayed. Zero weights keep the loss and the gradients at 0; the bias makes the output large."""
+    model = nn.Linear(4, 1).to(dtype)
+    nn.init.zeros_(model.weight)
+    nn.init.constant_(model.bias, value)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nantrace.watch(model, optimizer=opt, every=None) as tr:
+        for _ in range(2):
+            opt.zero_grad()
+            out = model(torch.full((8, 4), value, dtype=dtype))
+            loss = (out * 0).sum()
+            tr.step(loss=loss)
+            loss.backward()
+            opt.step()
+    assert tr.steps["recorded"].tolist() == ["watch", "watch"]
+    assert len(tr.records) == 0 and tr.first_overflow() is None
+
+
 class MaskedLogits(nn.Module):
     """Outputs an additive mask: 0 and a masked_fill(-inf) column (a tensor holding only 0 and -inf is a mask)."""
 
