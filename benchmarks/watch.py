@@ -12,7 +12,8 @@ full step every ``every`` steps falls where it would in training. Every round ru
 (the order rotates each round); a warm-up round is not counted. The table gives, per workload and mode, the
 median over rounds of the per-round ratio to the untraced steps of the same round (the sentinel's steady cost:
 rounds holding a full step are outliers the median passes over) and the ratio of total time over all rounds
-(the amortized cost, full steps included).
+(the amortized cost, full steps included), in wall time and in this process's CPU time, with the load average
+at the start and the end (the machine may be shared).
 
 Run: ``python benchmarks/watch.py --threads 2`` (about 6 minutes on the 2-core machine), ``--quick`` to smoke.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
@@ -169,28 +171,35 @@ def _context(mode: str, model: nn.Module, opt: torch.optim.Optimizer, every: int
 
 def measure(
     key: str, modes: list[str], rounds: int, steps: int, every: int
-) -> dict[str, tuple[float, float]]:
-    """``{mode: (median per-round ratio, total-time ratio)}`` against ``none``."""
+) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """``{mode: {"wall" | "cpu": (median per-round ratio, total-time ratio, best-round ratio)}}`` against
+    ``none`` (best: the fastest round of the mode over the fastest untraced round, the least disturbed by other
+    processes). CPU time is
+    this process's (``time.process_time``): on a loaded machine it moves less than wall time with other
+    processes' load, but counts the time torch's worker threads spin."""
     runs = {m: WORKLOADS[key]() for m in ["none", *modes]}
     with contextlib.ExitStack() as stack:
         for m, (model, opt, _) in runs.items():
             stack.enter_context(_context(m, model, opt, every))
         order = list(runs)
-        times: dict[str, list[float]] = {m: [] for m in order}
+        times: dict[str, dict[str, list[float]]] = {c: {m: [] for m in order} for c in ("wall", "cpu")}
         for r in range(rounds + 1):
             order = order[1:] + order[:1]
             for m in order:
                 step = runs[m][2]
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(steps):
                     step()
                 if r:
-                    times[m].append(time.perf_counter() - t0)
-    base = times["none"]
-    return {
-        m: (statistics.median(t / b for t, b in zip(times[m], base, strict=True)), sum(times[m]) / sum(base))
-        for m in modes
-    }
+                    times["wall"][m].append(time.perf_counter() - t0)
+                    times["cpu"][m].append(time.process_time() - c0)
+    out: dict[str, dict[str, tuple[float, float, float]]] = {m: {} for m in modes}
+    for clock, t in times.items():
+        base = t["none"]
+        for m in modes:
+            ratios = [a / b for a, b in zip(t[m], base, strict=True)]
+            out[m][clock] = (statistics.median(ratios), sum(t[m]) / sum(base), min(t[m]) / min(base))
+    return out
 
 
 def main() -> None:
@@ -208,21 +217,26 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     modes = a.modes.split(",")
     print(
-        f"torch {torch.__version__}, {a.threads} threads, {a.rounds} rounds x {a.steps} steps, every={a.every}"
+        f"torch {torch.__version__}, {a.threads} threads, {a.rounds} rounds x {a.steps} steps, every={a.every}, "
+        f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
-    print(f"| workload | {' | '.join(f'{m} median | {m} total' for m in modes)} |")
-    print(f"| --- | {' | '.join('---: | ---:' for _ in modes)} |")
+    head = " | ".join(f"{m} median | {m} total | {m} best | {m} CPU median | {m} CPU total" for m in modes)
+    print(f"| workload | {head} |")
+    print(f"| --- | {' | '.join('---: | ---: | ---: | ---: | ---:' for _ in modes)} |")
     medians: dict[str, list[float]] = {m: [] for m in modes}
     for key in a.models.split(","):
         res = measure(key, modes, a.rounds, a.steps, a.every)
         for m in modes:
             if key != "a":
-                medians[m].append(res[m][0])
-        cells = " | ".join(f"{res[m][0]:.3f}x | {res[m][1]:.3f}x" for m in modes)
+                medians[m].append(res[m]["wall"][0])
+        cells = " | ".join(
+            " | ".join(f"{v:.3f}x" for v in (*res[m]["wall"], *res[m]["cpu"][:2])) for m in modes
+        )
         print(f"| {key} | {cells} |", flush=True)
     for m in modes:
         if medians[m]:
-            print(f"median over real architectures, {m}: {statistics.median(medians[m]):.3f}x")
+            print(f"median over real architectures, {m} (wall): {statistics.median(medians[m]):.3f}x")
+    print(f"load average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 def nantrace_default_every() -> int:

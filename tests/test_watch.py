@@ -584,3 +584,61 @@ def test_a_masked_minus_inf_output_is_replayed_and_found_healthy() -> None:
     assert tr.first_overflow() is None
     assert tr.options["watch"]["sentinel"] == {}
     assert tr.diagnose().cause == "healthy"
+
+
+# ------------------------------------------------------------------ a non-finite value hidden inside the model
+class HandSigmoid(nn.Module):
+    """``1 / (1 + exp(-x))`` by hand: at x = -100, float32 ``exp(100) = inf`` and the output is a finite 0; its
+    backward multiplies 0 by ``exp(100)``: NaN."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 1 / (1 + torch.exp(-x))
+
+
+class Squash(nn.Module):
+    """``tanh(x · 1e40)``: the product is inf in float32, tanh makes it 1, and the gradient stays finite (0)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * 1e30 * 1e10)
+
+
+def _hidden_inf_run(make: Any, act: nn.Module) -> nantrace.Trace:
+    """Linear(4→4, weights 25) → ``act`` → Linear(4→1), SGD; step 1's inputs are -1 (the Linear gives -100),
+    the others 0.01."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), act, nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(25.0)
+        model[0].bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with make(model, optimizer=opt) as tr:
+        for step in range(3):
+            opt.zero_grad()
+            loss = model(torch.full((2, 4), -1.0 if step == 1 else 0.01)).sum()
+            tr.step(loss=loss)
+            loss.backward()
+            opt.step()
+    return tr
+
+
+def test_a_hidden_inf_that_makes_a_backward_nan_is_replayed_and_named_as_trace_names_it() -> None:
+    traced = _hidden_inf_run(nantrace.trace, HandSigmoid())
+    watched = _hidden_inf_run(lambda m, **kw: nantrace.watch(m, every=None, **kw), HandSigmoid())
+    expected = (1, 0, "backward", "1", "HandSigmoid", 0, "grad_input[0]", "nan")
+    assert _fields(traced.first_overflow()) == _fields(watched.first_overflow()) == expected
+    # the NaN gradients reach the weights (SGD: w - 0 · NaN), so step 2's forward is non-finite and replayed too
+    assert watched.steps["recorded"].tolist() == ["watch", "replay", "replay"]
+    assert watched.diagnose().cause == traced.diagnose().cause == "invalid_op"
+    assert "replaying it after its sentinel saw a non-finite value" in str(watched.first_overflow())
+
+
+def test_a_hidden_inf_that_stays_hidden_is_seen_only_on_full_steps() -> None:
+    """``tanh(inf) = 1`` reaches no tensor the sentinel checks: no step is flagged; full steps record what
+    trace records of them (here trace finds nothing non-finite either)."""
+    traced = _hidden_inf_run(nantrace.trace, Squash())
+    watched = _hidden_inf_run(lambda m, **kw: nantrace.watch(m, every=2, **kw), Squash())
+    assert watched.steps["recorded"].tolist() == ["full", "watch", "full"]
+    assert traced.first_overflow() is None and watched.first_overflow() is None
+    assert watched.options["watch"]["sentinel"] == {}
+    full = traced.records[traced.records["step"].isin([0, 2])]
+    _same_rows(full, watched.records)
