@@ -9,12 +9,13 @@ import numpy as np
 import pandas as pd
 
 from ._diagnosis import HEALTHY_UPDATE_RATIO, Diagnosis
+from ._evidence import call_arity, class_advice, op_evidence, weights_beyond_event
 from ._explain import samples_words
 from ._facts import DivergenceFacts, Facts
 from ._fmt import attr_path, module_label, num, steps_text
 from ._masks import is_mask
 from ._overflow import Overflow
-from ._ranges import finite_absmax, weights_beyond
+from ._ranges import finite_absmax
 from ._schema import FP16_SMALLEST_NORMAL, FP16_SMALLEST_SUBNORMAL, dtype_max
 
 __all__ = [
@@ -47,11 +48,22 @@ def skips_text(run: Facts) -> str | None:
     return f"GradScaler skipped {len(sk)} of {len(run.step_ids)} steps ({steps_text(sk)}){rng}"
 
 
-def keep_fp32_advice(run: Facts, module: str, dtype: str) -> str:
+def _call_args(run: Facts, ev: Overflow | None) -> str:
+    """The arguments of the float32 snippet, with the arity the module was really called with (its recorded
+    tensor inputs: ``x.float()``, ``x0.float(), x1.float()``, ``mask=mask.float()``)."""
+    n, kw = call_arity(run.view, ev) if ev is not None else (1, [])
+    if n == 0 and not kw:
+        n = 1
+    pos = ["x.float()"] if n == 1 else [f"x{i}.float()" for i in range(n)]
+    return ", ".join([*pos, *(f"{k}={k}.float()" for k in kw)])
+
+
+def keep_fp32_advice(run: Facts, module: str, dtype: str, ev: Overflow | None = None) -> str:
+    """Advice to run ``module`` in float32; ``ev`` (its event) gives the call's arity for the snippet."""
     if run.autocast():
         return (
             f"Keep {module_label(module)} in float32: run it with autocast off, "
-            f"`with torch.autocast(device_type=..., enabled=False): y = {attr_path(module)}(x.float())`."
+            f"`with torch.autocast(device_type=..., enabled=False): y = {attr_path(module)}({_call_args(run, ev)})`."
         )
     return (
         f"Keep {module_label(module)} in float32 while the rest stays {dtype}: `{attr_path(module)}.float()` and cast its "
@@ -124,32 +136,9 @@ def input_beyond_range(run: Facts, ev: Overflow) -> bool:
 
 
 def weights_beyond_of(run: Facts, ev: Overflow) -> tuple[list[tuple[str, str, float, int]], bool]:
-    """Own parameters of the event's module whose latest known absmax exceeds the output dtype's max (a float32
-    weight above 65504 that autocast's cast to float16 makes inf), and whether they were read live.
-
-    First the recorded ``optimizer`` rows of steps before the event (:func:`~nantrace._ranges.weights_beyond`).
-    When none shows it, the live model of a recording Trace is read at diagnose time, but only when the
-    GradScaler skipped every traced step from the event's on and no later ``optimizer`` row of the module was
-    recorded: then ``optimizer.step()`` did not change the weights after that forward inside the trace (a change
-    after the trace ended, or by code other than the optimizer after the event, cannot be seen)."""
-    dtype = str(ev.dtype)
-    if ev.phase != "forward":
-        return [], False
-    inputs = call_inputs(run, ev)
-    if len(inputs) and int(inputs[["n_posinf", "n_neginf"]].to_numpy().sum()):
-        return [], False  # an inf its inputs already held explains it (as the locator's explanation says)
-    rec = weights_beyond(run.records, ev.module, ev.step, dtype)
-    if rec:
-        return rec, False
-    limit = dtype_max(dtype)
-    later = [s for s in run.step_ids if s >= ev.step]
-    if run.model is None or math.isnan(limit) or limit >= dtype_max("float32") or not later:
-        return [], False
-    if not all(run.skipped.get(s) is True for s in later):
-        return [], False
-    if bool(((run.phase == "optimizer") & (run.module == ev.module) & (run.step >= ev.step)).any()):
-        return [], False
-    return run.model.params_beyond(ev.module, limit), True
+    """Own parameters of the event's module beyond the output dtype's range, and whether they were read live
+    (:func:`nantrace._evidence.weights_beyond_event`, the one rule)."""
+    return weights_beyond_event(run.view, ev)
 
 
 def own_code_of(run: Facts, ev: Overflow) -> bool:
@@ -275,8 +264,11 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
             f"{where}: the overflow is in {module_label(ev.module)}'s own forward code between its submodules (every "
             "submodule output before it was finite)"
         )
+    oe = op_evidence(run.view, ev)
     if op:
         evidence.append(f"the forward replay names the op: `{op}`")
+        if oe is not None and oe.op is not None:
+            evidence += oe.fact_lines()[1:]
     beyond, live = weights_beyond_of(run, ev)
     prefix = f"{ev.module}." if ev.module else ""
     evidence += _weights_evidence(run, ev, beyond, live)
@@ -293,8 +285,7 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     skips = skips_text(run)
     if skips:
         evidence.append(skips)
-    advice = [keep_fp32_advice(run, ev.module, dtype), bf16_advice()]
-    low = (ev.module + " " + ev.module_type).lower()
+    advice = [keep_fp32_advice(run, ev.module, dtype, ev), bf16_advice()]
     if own_code:
         advice.insert(
             0,
@@ -313,12 +304,8 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
             else f"Find what set the weights of {module_label(ev.module)} ({grown}) above {num(limit)} (an in-place edit, "
             "a checkpoint) and keep them well below it: a smaller learning rate, weight decay, or gradient clipping.",
         ]
-    if "attn" in low or "attention" in low:
-        advice.insert(
-            0,
-            f"Attention scores overflow: scale q·kᵀ by 1/sqrt(head_dim) before the softmax, or use "
-            f"`F.scaled_dot_product_attention`, which computes in float32 internally (inputs absmax {num(in_absmax)}).",
-        )
+    if oe is not None and class_advice(oe, ev.module):
+        advice[:0] = class_advice(oe, ev.module)
     elif (
         ev.module_type in ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear") and not own_code and not beyond
     ):
@@ -331,6 +318,11 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
         f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: "
         f"activations exceeded {num(limit)} from finite inputs."
     )
+    if oe is not None and oe.op_class in ("reduction", "cast"):
+        summary = (
+            f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: "
+            f"{oe.because}."
+        )
     if beyond:
         summary = (
             f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: its "
@@ -339,59 +331,62 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     return Diagnosis("forward_overflow", ev, evidence, advice, summary)
 
 
-_OP_HINTS: tuple[tuple[str, str], ...] = (
-    ("div", "0/0 or x/0: add an eps to the denominator (`x / (n + 1e-6)`; `F.normalize(x, eps=...)`)"),
-    ("sqrt", "sqrt/rsqrt of a negative or of 0: clamp the argument (`x.clamp_min(eps)`) or add eps inside"),
-    ("log", "log of a negative value or of 0: clamp the argument (`x.clamp_min(eps)`)"),
-    ("pow", "a fractional power of a negative value: clamp the base"),
-    ("sub", "inf − inf: an intermediate overflowed; compute it in float32"),
-    ("mul", "0·inf: an intermediate overflowed or a masked entry; compute it in float32 or mask earlier"),
-)
-
-
 def invalid_op(run: Facts, ev: Overflow) -> Diagnosis:
-    dtype = str(ev.dtype)
+    """A singular point, an invalid operation or mask arithmetic (the op classes of the evidence engine that
+    no loss scale or wider range removes), in forward or in backward."""
     if ev.phase == "forward":
-        mine = run.rows_of(ev.step, "forward", module=ev.module)
-        mine = mine[(mine["micro_step"].to_numpy() == ev.micro_step) & (mine["call"].to_numpy() == ev.call)]
-        inputs = mine[mine["tensor"].astype(str).str.startswith("input")]
-        if ev.module == "":
-            inputs = run.rows_of(ev.step, "data")
-        in_neginf = int(inputs["n_neginf"].sum()) if len(inputs) else 0
-        op = run.op_of(ev, "nan")
-        evidence = [
-            f"{module_label(ev.module)} ({ev.module_type}, call {ev.call}) at step {ev.step} produced NaN in "
-            f"`{ev.tensor}` ({dtype}) from inputs holding no NaN (finite absmax {num(finite_absmax(inputs))}, "
-            f"{f'{in_neginf} -inf value(s)' if in_neginf else 'no -inf'})"
-        ]
-        if op:
-            evidence.append(f"the forward replay names the op: `{op}`")
-        advice: list[str] = []
-        if in_neginf:
-            evidence.append("its inputs held -inf (an attention mask): a row with every key masked")
-            advice.append(
-                f"A fully masked softmax row in {module_label(ev.module)}: softmax over all -inf is 0/0 = NaN. Keep at "
-                "least one unmasked key per query, use a large finite negative (`torch.finfo(dtype).min`) instead "
-                "of -inf, or zero the row after the softmax (`probs.masked_fill(all_masked, 0)`)."
-            )
-        hint = next((h for k, h in _OP_HINTS if op is not None and k in op.lower()), None)
-        if in_neginf and op is not None and any(k in op.lower() for k in ("sub", "mul", "add", "exp")):
-            hint = None  # the mask's -inf explains it
-        if hint:
-            advice.append(f"In {module_label(ev.module)}: {hint}.")
-        low = (ev.module + " " + ev.module_type).lower()
-        if "norm" in low and not in_neginf:
-            advice.append(
-                f"{module_label(ev.module)} looks like a normalisation: an all-zero row gives 0/0; pass `eps` "
-                "(`F.normalize(x, eps=1e-6)`, `x * torch.rsqrt(var + eps)`)."
-            )
-        if not advice:
-            advice.append(
-                f"Find the invalid op in {module_label(ev.module)}'s forward (0/0, 0·inf, inf−inf, sqrt/log of a "
-                "negative): add eps to denominators and clamp arguments of sqrt/log."
-            )
-        summary = f"{module_label(ev.module)} made NaN from values holding no NaN at step {ev.step}: an invalid operation."
-        return Diagnosis("invalid_op", ev, evidence, advice, summary)
+        return _invalid_forward(run, ev)
+    return _invalid_backward(run, ev)
+
+
+_CLASS_SUMMARY = {
+    "singular": "hit a singular point",
+    "invalid": "made NaN by an invalid operation",
+    "mask_arithmetic": "made a non-finite value by mask arithmetic",
+}
+
+
+def _invalid_forward(run: Facts, ev: Overflow) -> Diagnosis:
+    dtype = str(ev.dtype)
+    inputs = call_inputs(run, ev) if ev.module != "" else run.rows_of(ev.step, "data")
+    in_neginf = int(inputs["n_neginf"].sum()) if len(inputs) else 0
+    oe = op_evidence(run.view, ev)
+    assert oe is not None
+    what = {"nan": "NaN", "posinf": "+inf", "neginf": "-inf"}[oe.raw_kind]
+    held = "NaN" if oe.raw_kind == "nan" else "inf/NaN"
+    evidence = [
+        f"{module_label(ev.module)} ({ev.module_type}, call {ev.call}) at step {ev.step} produced {what} in "
+        f"`{ev.tensor}` ({dtype}) from inputs holding no {held} (finite absmax {num(finite_absmax(inputs))}, "
+        f"{f'{in_neginf} -inf value(s)' if in_neginf else 'no -inf'})"
+    ]
+    if oe.op is not None:
+        evidence.append(f"the forward replay names the op: `{oe.op}`")
+    evidence += oe.fact_lines()[1:] if oe.op is not None else [f"{oe.op_class}: {oe.because}"]
+    advice: list[str] = []
+    if in_neginf and oe.raw_kind == "nan":
+        evidence.append("its inputs held -inf (an attention mask): a row with every key masked")
+        advice.append(
+            f"A fully masked softmax row in {module_label(ev.module)}: softmax over all -inf is 0/0 = NaN. Keep at "
+            "least one unmasked key per query, use a large finite negative (`torch.finfo(dtype).min`) instead "
+            "of -inf, or zero the row after the softmax (`probs.masked_fill(all_masked, 0)`)."
+        )
+    else:
+        advice += class_advice(oe, ev.module)
+    if not advice:
+        advice.append(
+            f"Find the invalid op in {module_label(ev.module)}'s forward (0/0, 0·inf, inf−inf, sqrt/log of a "
+            "negative): add eps to denominators and clamp arguments of sqrt/log."
+        )
+    op = f" (`{oe.op}`: {oe.what})" if oe.op is not None else f" ({oe.what})"
+    summary = (
+        f"{module_label(ev.module)} {_CLASS_SUMMARY.get(oe.op_class, 'made a non-finite value')} at step "
+        f"{ev.step}{op}: not an overflow."
+    )
+    return Diagnosis("invalid_op", ev, evidence, advice, summary)
+
+
+def _invalid_backward(run: Facts, ev: Overflow) -> Diagnosis:
+    dtype = str(ev.dtype)
     gout = run.rows_of(ev.step, ("backward", "loss"), module=ev.module, prefix="grad_output")
     scale = run.scale.get(ev.step, math.nan)
     evidence = [
@@ -476,7 +471,7 @@ def backward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     if len(fwd_in):
         evidence.append(f"its forward input absmax was {num(finite_absmax(fwd_in))}")
     advice = [
-        keep_fp32_advice(run, ev.module, dtype),
+        keep_fp32_advice(run, ev.module, dtype, ev),
         bf16_advice(),
     ]
     if math.isnan(scale):

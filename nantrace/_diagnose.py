@@ -85,12 +85,13 @@ from dataclasses import dataclass, replace
 from . import _causes as c
 from . import _scale_causes as sc
 from ._diagnosis import QUIET_DIVERGENCE_GROWTH, QUIET_DIVERGENCE_LOSS_GROWTH, Diagnosis
+from ._evidence import headline, op_evidence
 from ._explain import first_overflow, overflows
 from ._facts import Facts, divergence, overflow_from_row
 from ._overflow import Overflow
 from ._view import RunView
 
-__all__ = ["FAULT_RULES", "Rule", "diagnose", "diagnose_merged"]
+__all__ = ["FAULT_RULES", "Rule", "diagnose", "diagnose_merged", "with_event_facts"]
 
 
 # ---------------------------------------------------------------------------------------------- fault rules
@@ -118,9 +119,10 @@ def _mask_leak(run: Facts, ev: Overflow) -> Diagnosis:
 
 
 def _forward_overflow(run: Facts, ev: Overflow) -> bool:
-    return ev.phase == "forward" and (
-        ev.kind == "inf" or c.input_beyond_range(run, ev) or bool(c.weights_beyond_of(run, ev)[0])
-    )
+    """The evidence engine classes the producing op as an overflow, a cast or a reduction (a singular point,
+    an invalid operation or mask arithmetic is ``invalid_op``)."""
+    oe = op_evidence(run.view, ev) if ev.phase == "forward" else None
+    return oe is not None and oe.cause == "forward_overflow"
 
 
 # The causes of an event that is not scale-dependent, in the order they are tried: the first that applies wins.
@@ -177,9 +179,24 @@ def diagnose(view: RunView) -> Diagnosis:
         raise TypeError(
             f"diagnose() needs a run view (call Trace.diagnose(), which makes one); got {type(view).__name__}"
         )
-    if len(view.meta.ranks) > 1:
-        return diagnose_merged(view)
-    return _diagnose(view)
+    d = diagnose_merged(view) if len(view.meta.ranks) > 1 else _diagnose(view)
+    return with_event_facts(view, d)
+
+
+def with_event_facts(view: RunView, d: Diagnosis) -> Diagnosis:
+    """``d`` with the op class and headline of its event, from the evidence engine (the same facts
+    ``str(Overflow)`` is written from)."""
+    ov = d.overflow
+    if ov is None or d.headline:
+        return d
+    local = view.rank_view(ov.rank) if len(view.meta.ranks) > 1 else view
+    oe = op_evidence(local, ov)
+    return replace(
+        d,
+        overflow=replace(ov, op_class=None if oe is None else oe.op_class),
+        op_class=None if oe is None else oe.op_class,
+        headline=headline(ov, oe),
+    )
 
 
 def _event_verdict(

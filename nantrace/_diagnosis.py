@@ -20,6 +20,7 @@ __all__ = [
     "DIVERGENCE_UPDATE_RATIO",
     "DIVERGENCE_WEIGHT_GROWTH",
     "DIVERGENCE_WINDOW",
+    "HEADLINE_MAX",
     "HEALTHY_UPDATE_RATIO",
     "QUIET_DIVERGENCE_GROWTH",
     "QUIET_DIVERGENCE_LOSS_GROWTH",
@@ -44,6 +45,7 @@ CAUSES: tuple[str, ...] = (
     "received",
 )
 
+HEADLINE_MAX = 160  # characters of the first line of str(Overflow) and str(Diagnosis)
 HEALTHY_UPDATE_RATIO = 1e-3  # typical max|Δw| / max|w| per step of healthy training
 DIVERGENCE_MIN_STEPS = 3  # recorded steps before the overflow needed to see a trend
 DIVERGENCE_WINDOW = 8  # trailing steps the trend is measured over
@@ -81,8 +83,15 @@ class Diagnosis:
         evidence: short sentences holding the numbers the cause was decided on.
         advice: concrete fixes for this case, naming the module, the dtype and the numbers.
         summary: one sentence saying what happened.
+        op_class: the class of the producing op of ``overflow`` (``"overflow"``, ``"singular"``, ``"invalid"``,
+            ``"cast"``, ``"reduction"``, ``"mask_arithmetic"``; the taxonomy is in ``docs/causes.md``), from the
+            same evidence engine as ``str(overflow)``: ``Overflow.op_class`` of the same event is the same.
+            None when there is no event or its phase is ``data``, ``loss`` or ``optimizer``.
+        headline: one line of at most 160 characters: who, what, where ("step 28 forward: `blocks.1.attn.scores`
+            (`matmul`) overflowed float16 (+inf)"); ``""`` when there is no event.
 
-    ``str()`` gives the cause, summary, evidence and advice as plain text; ``_repr_html_()`` the same as HTML
+    ``str()`` opens with one line of at most 160 characters (``nantrace diagnosis: <cause>`` and the headline),
+    then the summary, evidence and advice as short lines; ``_repr_html_()`` the same as HTML
     (every string escaped with ``html.escape``).
 
     Raises:
@@ -94,6 +103,8 @@ class Diagnosis:
     evidence: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
     summary: str = ""
+    op_class: str | None = None
+    headline: str = ""
 
     def __post_init__(self) -> None:
         if self.cause not in CAUSES:
@@ -105,7 +116,8 @@ class Diagnosis:
         return self.cause in ("healthy", "scaler_backoff")
 
     def __str__(self) -> str:
-        lines = [f"nantrace diagnosis: {self.cause}"]
+        first = f"nantrace diagnosis: {self.cause}" + (f" · {self.headline}" if self.headline else "")
+        lines = [first if len(first) <= HEADLINE_MAX else first[: HEADLINE_MAX - 1] + "…"]
         if self.summary:
             lines.append(self.summary)
         if self.evidence:
@@ -129,7 +141,9 @@ class Diagnosis:
         ad = "".join(f"<li>{e(s)}</li>" for s in self.advice)
         parts = [
             '<div class="nantrace-diagnosis">',
-            f"<p><b>nantrace diagnosis</b>: <code>{e(self.cause)}</code></p>",
+            f"<p><b>nantrace diagnosis</b>: <code>{e(self.cause)}</code>"
+            + (f" · {e(self.headline)}" if self.headline else "")
+            + "</p>",
         ]
         if self.summary:
             parts.append(f"<p>{e(self.summary)}</p>")
@@ -148,9 +162,12 @@ class Diagnosis:
         return "".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        """``cause``, ``summary``, ``evidence``, ``advice`` and the overflow's fields (or ``None``)."""
+        """``cause``, ``op_class``, ``headline``, ``summary``, ``evidence``, ``advice`` and the overflow's fields
+        (or ``None``)."""
         return {
             "cause": self.cause,
+            "op_class": self.op_class,
+            "headline": self.headline,
             "summary": self.summary,
             "overflow": None if self.overflow is None else self.overflow.to_dict(),
             "evidence": list(self.evidence),

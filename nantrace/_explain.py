@@ -15,12 +15,13 @@ import pandas as pd
 import torch
 
 from ._errors import NantraceError
+from ._evidence import OpEvidence, class_advice, headline, op_evidence, weights_beyond_event
 from ._fmt import module_label, num
 from ._hooks import CAST_OP
 from ._locate import Event, Finding, find
 from ._masks import is_mask
 from ._overflow import Overflow
-from ._ranges import finite_absmax, weights_beyond
+from ._ranges import finite_absmax
 from ._repro import captured_call
 from ._schema import KIND_WORDS, OVERFLOW_COLUMNS, dtype_max, is_wide, wanted_kinds
 from ._view import RunView
@@ -173,6 +174,16 @@ def _forward_nan_cause(ev: Event, inputs_had_inf: bool, own_code: bool) -> str:
 
 
 def _forward(view: RunView, ev: Event) -> str:
+    """The headline, then one line of what the call did, then the evidence and advice of the op's class."""
+    f = ev.fields
+    ov = Overflow(**f)
+    oe = op_evidence(view, ov)
+    assert oe is not None
+    lines = [headline(ov, oe), *_forward_body(view, ev, oe)]
+    return "\n".join(lines)
+
+
+def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
     f = ev.fields
     step, micro, module, dtype = int(f["step"]), int(f["micro_step"]), str(f["module"]), str(f["dtype"])
     name, dmax, what = module_label(module), dtype_max(dtype), KIND_WORDS[ev.raw_kind]
@@ -180,49 +191,63 @@ def _forward(view: RunView, ev: Event) -> str:
     in_absmax = num(finite_absmax(inputs))
     head, own_code = _forward_head(ev)
     inputs_had_inf = _has(inputs, "posinf") or _has(inputs, "neginf")
-    local = _local(view)
-    beyond = weights_beyond(local, module, step, dtype) if not inputs_had_inf else []
+    beyond = weights_beyond_event(view, Overflow(**f))[0]
+    facts = oe.fact_lines() if oe.op is not None else []
     if beyond:  # float32 weights above the output dtype's max: autocast's cast to it made them inf
         made = (
             "then inf·0 or inf−inf gives NaN"
             if ev.raw_kind == "nan" or _only_nan_out(ev)
             else f"inf times its inputs gives {what}"
         )
-        return (
+        return [
             f"{head}, from finite inputs (input absmax {in_absmax}): its {beyond[0][1]} weights exceed {dtype}'s "
-            f"{num(dmax)} ({weights_words(module, beyond)}), so autocast's cast to {dtype} made them inf; "
-            f"{made}. Lower the learning rate, add weight decay or clip gradients so the weights stay well "
-            f"below {num(dmax)}; or keep {name} in float32 (call it inside torch.autocast(..., enabled=False) "
-            "with a .float() input), or use bfloat16."
-        )
+            f"{num(dmax)} ({weights_words(module, beyond)}), so autocast's cast to {dtype} made them inf; {made}.",
+            *facts,
+            f"Lower the learning rate, add weight decay or clip gradients so the weights stay well below {num(dmax)}; "
+            f"or keep {name} in float32 (call it inside torch.autocast(..., enabled=False) with a .float() input), "
+            "or use bfloat16.",
+        ]
+    leak = inputs_had_inf and ev.raw_kind != "nan"  # the -inf of a mask/bias input went on into values
+    if oe.op_class in ("singular", "invalid", "mask_arithmetic") and oe.op is not None and not leak:
+        return [
+            f"{head}, from inputs of finite absmax {in_absmax}: {oe.what}.",
+            *facts,
+            *class_advice(oe, module),
+        ]
     if ev.raw_kind == "nan":
         cause = _forward_nan_cause(ev, inputs_had_inf, own_code)
-        return f"{head}, {cause}. Finite input absmax {in_absmax}."
-    if inputs_had_inf:  # the -inf of a mask/bias input went on into values that are not a mask
+        return [f"{head}, {cause}.", f"Finite input absmax {in_absmax}.", *facts, *class_advice(oe, module)]
+    if leak:  # the -inf of a mask/bias input went on into values that are not a mask
         masks = _mask_inputs(ev.step_rows, micro)
         src = f"the -inf of the mask/bias input(s) {masks}" if masks else "an inf its inputs already held"
-        return (
+        return [
             f"{head}, from {src} (finite input absmax {in_absmax}): it {_reach(ev.step_rows, micro)}, so it "
-            "is not an intended mask value that a softmax consumes but a fault. A mask's -inf belongs only in "
-            "attention scores before a softmax; for other additive terms use a large finite negative value "
-            "(torch.finfo(dtype).min). If that input is data, not a mask, rename it (names containing "
-            "'mask' or 'bias' count as masks)."
-        )
+            "is not an intended mask value that a softmax consumes but a fault.",
+            *facts,
+            "A mask's -inf belongs only in attention scores before a softmax; for other additive terms use a large "
+            "finite negative value (torch.finfo(dtype).min). If that input is data, not a mask, rename it (names "
+            "containing 'mask' or 'bias' count as masks).",
+        ]
     limit = f"{dtype} overflows above {num(dmax)} (torch.finfo(torch.{dtype}).max)"
-    climb = _climb(local, module, step)
-    if is_wide(dtype):  # float32/float64 already: a wider dtype is no cure
-        advice = (
+    climb = _climb(_local(view), module, step)
+    extra = class_advice(oe, module)  # a reduction's or a matmul's own fix, from its operands
+    if oe.op_class == "reduction":
+        advice = extra
+    elif is_wide(dtype):  # float32/float64 already: a wider dtype is no cure
+        advice = [
             f"Values beyond the {dtype} range mean a computation that blows up (exp or pow of a large "
             f"input, a growing residual or weight): clamp or rescale what feeds {name}, or lower the "
             "learning rate if it grew over steps."
-        )
+        ]
     else:
-        advice = (
+        advice = [
             f"Keep {name} in float32 (under autocast: call it inside torch.autocast(..., enabled=False) with "
             "a .float() input; in a .half() model: .float() it and its input), rescale what feeds it, or use "
             "bfloat16."
-        )
-    return f"{head}, from finite inputs (input absmax {in_absmax}); {limit}.{climb} {advice}"
+        ]
+    if oe.op_class != "reduction":
+        advice = [*extra, *advice]
+    return [f"{head}, from finite inputs (input absmax {in_absmax}); {limit}.{climb}", *facts, *advice]
 
 
 def _loss(ev: Event) -> str:
@@ -276,7 +301,12 @@ def _backward_tail(ev: Event, scale: float, name: str) -> str:
     return f" Keep {name} in float32 or clip/rescale what flows into it."
 
 
-def _backward(ev: Event) -> str:
+def _backward(view: RunView, ev: Event) -> str:
+    ov = Overflow(**ev.fields)
+    return headline(ov, op_evidence(view, ov)) + "\n" + _backward_body(ev)
+
+
+def _backward_body(ev: Event) -> str:
     f, step_df = ev.fields, ev.step_rows
     module, dtype, tensor = str(f["module"]), str(f["dtype"]), f["tensor"]
     name, dmax = module_label(module), dtype_max(dtype)
@@ -304,11 +334,11 @@ def _backward(ev: Event) -> str:
         return (
             f"At {_where(ev)}, the backward of {name} ({f['module_type']}) turned {incoming} into NaN in "
             f"`{tensor}` ({dtype}): an invalid operation in its backward (0·inf, inf−inf, 0/0, sqrt/log of a "
-            f"negative).{tail}"
+            f"negative).\n{tail.strip()}"
         )
     return (
         f"At {_where(ev)}, the backward of {name} ({f['module_type']}) turned {incoming} into "
-        f"{KIND_WORDS[ev.raw_kind]} in `{tensor}` ({dtype}; {limit}).{tail}"
+        f"{KIND_WORDS[ev.raw_kind]} in `{tensor}` ({dtype}; {limit}).\n{tail.strip()}"
     )
 
 
@@ -335,15 +365,17 @@ def _local(view: RunView) -> pd.DataFrame:
 def _explain_event(view: RunView, ev: Event) -> str:
     """One or two sentences on one rank's event, with the numbers that matter."""
     phase = ev.fields["phase"]
+    if phase in ("data", "loss", "optimizer"):
+        head = headline(Overflow(**ev.fields), None) + "\n"
     if phase == "data":
-        return _data(view, ev)
+        return head + _data(view, ev)
     if phase == "forward":
         return _forward(view if len(view.meta.ranks) == 1 else view.rank_view(ev.rank), ev)
     if phase == "loss":
-        return _loss(ev)
+        return head + _loss(ev)
     if phase == "backward":
-        return _backward(ev)
-    return _optimizer(ev)
+        return _backward(view, ev)
+    return head + _optimizer(ev)
 
 
 # ---------------------------------------------------------------------------------------------- notes
@@ -464,26 +496,35 @@ def _message(view: RunView, found: Finding, per_rank: bool) -> str:
         return _received_text(ev, view.meta.world_size)
     text = _explain_event(view, ev)
     if found.n_ranks == 1 and not ev.step_rows["reduced"].to_numpy(dtype=bool).any():
-        text += hunt_hint(view, ev)
-    text += _filter_note(view, ev.fields)
+        text += _line(hunt_hint(view, ev))
+    text += _line(_filter_note(view, ev.fields))
     if per_rank or found.n_ranks == 1:
         return text
-    note = f"Rank {ev.rank} of {view.meta.world_size or found.n_ranks} produced it. "
+    head, _, body = text.partition("\n")
+    note = f"Rank {ev.rank} of {view.meta.world_size or found.n_ranks} produced it."
     got = found.receivers
     tail = ""
     if got:
         tail = (
-            f" Rank{'s' if len(got) > 1 else ''} {', '.join(map(str, got))} only received it through the gradient "
+            f"Rank{'s' if len(got) > 1 else ''} {', '.join(map(str, got))} only received it through the gradient "
             "reduction (propagated, not produced)."
         )
-    return note + text + tail
+    return "\n".join(x for x in (head, note, body, tail) if x)
+
+
+def _line(text: str) -> str:
+    """``text`` as a line of its own (``""`` stays ``""``)."""
+    return "\n" + text.strip() if text.strip() else ""
 
 
 def _overflow(view: RunView, found: Finding, per_rank: bool) -> Overflow:
     ev = found.event
+    local = view if len(view.meta.ranks) == 1 else view.rank_view(ev.rank)
+    oe = op_evidence(local, Overflow(**ev.fields, rank=ev.rank))
     return Overflow(
         **ev.fields,
         message=_message(view, found, per_rank),
+        op_class=None if oe is None else oe.op_class,
         rank=ev.rank,
         propagated=ev.received and found.how != "reduction",
         _captured=view.capture,

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from ._naming import positional_names
+from ._opfacts import named_operands, note_vanished, operand_facts
 from ._schema import PHASE_CODE
 from ._stats import describable, is_clean_host, op_input_kinds, stats_device, stats_host, tensor_kinds
 from ._store import PendingStep, Store
@@ -61,18 +62,33 @@ class FirstNonfinite(TorchFunctionMode):
         super().__init__()
         self.known = known
         self.found: tuple[str, str] | None = None
+        # the producing op's operands (copies of in-place ones, taken before the op) and result, kept only until
+        # the replay ends, when operand_facts() turns them into numbers
+        self.operands: list[tuple[str, Any]] = []
+        self.result: torch.Tensor | None = None
+        self.vanished: dict[
+            float, str
+        ] = {}  # non-zero scalar constants that round to 0 in their tensor's dtype
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        _, before = op_input_kinds(args, kwargs)  # before the op runs: an in-place op overwrites its input
+        tensors, before = op_input_kinds(
+            args, kwargs
+        )  # before the op runs: an in-place op overwrites its input
+        name = getattr(func, "__name__", None) or str(func)
+        if tensors:
+            note_vanished(self.vanished, args, kwargs, tensors[0].dtype)
+        inplace = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+        snap = [t.clone() for t in tensors] if inplace else None
         out = func(*args, **kwargs)
         for _, t in flatten(out, "out"):
             if not describable(t):
                 continue
             new = tensor_kinds(t) - before - self.known
             if new:
-                name = getattr(func, "__name__", None) or str(func)
                 self.found = (name, next(k for k in ("posinf", "neginf", "nan") if k in new))
+                self.operands = named_operands(args, kwargs, snap)
+                self.result = t
                 raise _Stop
         return out
 
@@ -90,6 +106,8 @@ class CastWatch(TorchDispatchMode):
         super().__init__()
         self.known = known
         self.found: tuple[str, str] | None = None
+        self.operands: list[tuple[str, Any]] = []
+        self.result: torch.Tensor | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -97,6 +115,7 @@ class CastWatch(TorchDispatchMode):
             new = tensor_kinds(out) - tensor_kinds(args[0]) - self.known
             if new:
                 self.found = (CAST_OP, next(k for k in ("posinf", "neginf", "nan") if k in new))
+                self.operands, self.result = [("input", args[0])], out
                 raise _Stop
         return out
 
@@ -325,7 +344,13 @@ class Recorder:
         found = cast.found or mode.found
         if found is not None:
             op, kind = found
-            self.store.ops.append((self.step, max(self.micro, 0), mcode, call, op, kind))
+            watch = cast if cast.found else mode
+            try:
+                facts = operand_facts(watch.operands, watch.result, mode.vanished)
+            except Exception:  # best effort, like the replay itself: the op is still named
+                facts = ""
+            self.store.ops.append((self.step, max(self.micro, 0), mcode, call, op, kind, facts))
+        mode.operands, mode.result, cast.operands, cast.result = [], None, [], None
 
     def maybe_drill(
         self,

@@ -32,6 +32,11 @@ class Overflow:
             of several ranks, the rank that produced it (ordering rule: ``nantrace._locate``).
         propagated: True when this rank did not produce the value but only received it through the gradient
             reduction (it is only in ``reduced`` rows: DDP's all-reduce, FSDP's reduce-scatter).
+        op_class: the class of the producing op, from the evidence engine (``nantrace._evidence``, the
+            taxonomy in ``docs/causes.md``): ``"overflow"``, ``"singular"``, ``"invalid"``, ``"cast"``,
+            ``"reduction"`` or ``"mask_arithmetic"`` for a forward or backward event; None for ``data``,
+            ``loss`` and ``optimizer``. Not one of :meth:`to_dict`'s fields; ``Diagnosis.op_class`` is the same
+            for the same event.
     """
 
     step: int
@@ -46,6 +51,7 @@ class Overflow:
     message: str = field(default="", compare=False, repr=False)
     rank: int = 0
     propagated: bool = False
+    op_class: str | None = field(default=None, compare=False)
     # the trace's capture state (nantrace._capture.Capture) with trace(capture=...), for save_repro(); not a field
     _captured: Any = field(default=None, compare=False, repr=False)
 

@@ -258,7 +258,7 @@ class Store:
         self.chunks: list[dict[str, np.ndarray]] = []
         self.step_rows = StepRows()
         # first op inside a module call that made a new non-finite kind (forward replay, host path)
-        self.ops: list[tuple[int, int, int, int, str, str]] = []
+        self.ops: list[tuple[int, int, int, int, str, str, str]] = []
         self.samples_host: list[np.ndarray] = []
         self._records: pd.DataFrame | None = None
         self._steps: pd.DataFrame | None = None
@@ -389,8 +389,8 @@ class Store:
         )
         self.step_rows.replace_head(count, merged)
         self.ops = [
-            (0, m + offsets.get(s, 0), c, call, op, k) if s < count else (s, m, c, call, op, k)
-            for s, m, c, call, op, k in self.ops
+            (0, m + offsets.get(s, 0), c, call, op, k, f) if s < count else (s, m, c, call, op, k, f)
+            for s, m, c, call, op, k, f in self.ops
         ]
         self._records = None
         self._steps = None
@@ -580,10 +580,11 @@ class Store:
         return pd.DataFrame(data, columns=list(RECORD_COLUMNS))
 
     def ops_frame(self) -> pd.DataFrame:
-        """``step, micro_step, module, call, op, kind``: the first torch op inside a module call that produced a
-        new non-finite kind (``nan``, ``posinf``, ``neginf``), found by replaying that call's forward."""
-        rows = [(s, m, self.modules.values[c], call, op, k) for s, m, c, call, op, k in self.ops]
-        return pd.DataFrame(rows, columns=["step", "micro_step", "module", "call", "op", "kind"])
+        """``step, micro_step, module, call, op, kind, operands``: the first torch op inside a module call that
+        produced a new non-finite kind (``nan``, ``posinf``, ``neginf``), found by replaying that call's forward,
+        and the facts of its operands (JSON text, :mod:`nantrace._opfacts`; ``""`` when they could not be read)."""
+        rows = [(s, m, self.modules.values[c], call, op, k, f) for s, m, c, call, op, k, f in self.ops]
+        return pd.DataFrame(rows, columns=["step", "micro_step", "module", "call", "op", "kind", "operands"])
 
     def steps(self) -> pd.DataFrame:
         """One row per closed step, columns :data:`STEP_COLUMNS`."""

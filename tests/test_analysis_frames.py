@@ -47,7 +47,8 @@ def test_a_module_output_holding_a_new_kind_is_its_producer() -> None:
         "rank": 0,
         "propagated": False,
     }
-    assert str(ov).startswith(
+    assert str(ov).splitlines()[0] == "step 0 forward: `fc` (Linear) overflowed float16 (+inf)"
+    assert " ".join(str(ov).splitlines()[1:]).startswith(
         "At step 0, `fc` (Linear, call 0) produced +inf in its `output` (float16), from finite inputs "
         "(input absmax 2); float16 overflows above 65504 (torch.finfo(torch.float16).max)."
     )
@@ -133,7 +134,11 @@ def test_across_ranks_the_producer_is_the_rank_whose_own_rows_hold_it() -> None:
         "nan",
         False,
     )
-    assert ov.message.startswith(
+    assert (
+        ov.message.splitlines()[0]
+        == "step 0 data: model input `input[0]` held NaN before any module ran (float16)"
+    )
+    assert " ".join(ov.message.splitlines()[1:]).startswith(
         "Rank 1 of 2 produced it. At step 0 the model input `input[0]` already held 1 NaN"
     )
     assert ov.message.endswith(
@@ -232,7 +237,10 @@ def test_a_kind_made_between_children_is_drilled_to_the_enclosing_calls_op() -> 
     assert tr.ops[["module", "call", "op", "kind"]].values.tolist() == [["", 0, "mul", "nan"]]
     ov = tr.first_overflow()
     assert ov is not None and (ov.phase, ov.module, ov.tensor, ov.kind) == ("forward", "", "input[0]", "nan")
-    assert str(ov).startswith(
+    assert str(ov).splitlines()[0] == (
+        "step 0 forward: the root model (`mul`) made NaN by an invalid operation: 0·inf (float32)"
+    )
+    assert " ".join(str(ov).splitlines()[1:]).startswith(
         "At step 0, the root model (Between, call 0) produced NaN in `mul` in its own forward code, between its "
         "submodules (first seen at `input[0]` of `b`"
     )

@@ -70,10 +70,21 @@ def test_grown_weights_explained() -> None:
         "inf",
         "float16",
     )
-    assert str(ov).startswith(
+    assert (
+        str(ov).splitlines()[0]
+        == "step 2 forward: `0` (`aten._to_copy`) overflowed in a cast to float16 (+inf)"
+    )
+    lines = str(ov).splitlines()
+    assert lines[1] == (
         "At step 2, `0` (Linear, call 0) produced +inf in `aten._to_copy` inside its forward (float16), from finite "
         "inputs (input absmax 1): its float32 weights exceed float16's 65504 (`0.weight` absmax 1.5e+05 since "
-        "step 1), so autocast's cast to float16 made them inf; then inf·0 or inf−inf gives NaN. Lower the "
+        "step 1), so autocast's cast to float16 made them inf; then inf·0 or inf−inf gives NaN."
+    )
+    assert lines[2].startswith(
+        "the producing op: `aten._to_copy` (cast: it cast float32 values of absmax 1.5e+05"
+    )
+    assert lines[4].startswith(
+        "Lower the "
         "learning rate, add weight decay or clip gradients so the weights stay well below 65504; or keep `0` in "
         "float32 (call it inside torch.autocast(..., enabled=False) with a .float() input), or use bfloat16."
     )
@@ -106,7 +117,11 @@ def test_planted_weights_read_live_at_diagnose_time() -> None:
     assert weights_beyond(tr.records, "0", 1, "float16") == []  # the optimizer row of step 0 shows 1.5
     ov = tr.first_overflow()
     assert ov is not None and (ov.step, ov.module, ov.kind) == (1, "0", "inf")
-    assert str(ov).startswith(
+    assert (
+        str(ov).splitlines()[0]
+        == "step 1 forward: `0` (`aten._to_copy`) overflowed in a cast to float16 (+inf)"
+    )
+    assert " ".join(str(ov).splitlines()[1:]).startswith(
         "At step 1, `0` (Linear, call 0) produced +inf in `aten._to_copy` inside its forward (float16), from "
         "finite inputs (input absmax 1)"
     )

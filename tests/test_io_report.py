@@ -163,7 +163,7 @@ def test_text_repr_names_steps_dtypes_overflow_and_headroom() -> None:
     lines = text.splitlines()
     assert lines[0] == "<nantrace.Trace of Overflowing: 3 steps, 18 records, no GradScaler>"
     assert lines[1] == "dtypes: float16 18"
-    assert lines[2].startswith("first overflow: At step 2, `down` (Linear, call 0) produced +inf")
+    assert lines[2] == "first overflow: step 2 forward: `down` (`linear`) overflowed float16 (+inf)"
     assert "least fp16 headroom (bits = log2(65504 / absmax)):" in lines
     assert "  down (Linear): overflowed (held inf)" in lines
     assert "  up (Linear): absmax 4e+04, +0.7 bits" in lines

@@ -1,0 +1,676 @@
+"""The one evidence engine: the facts about the op that produced an event's non-finite value and its operands,
+computed from what the trace holds, and the op's *class*. Both ``str(Overflow)`` (:mod:`nantrace._explain`) and
+the :class:`~nantrace.Diagnosis` (:mod:`nantrace._causes`) are written from :func:`op_evidence`, so they never
+disagree. The taxonomy and each rule, with the fact it reads, are in ``docs/causes.md``.
+
+Facts read: the op the forward replay named (``ops``) and its operand facts (``ops.operands``, recorded by
+:mod:`nantrace._opfacts`: dtype, absmax, smallest non-zero ``|x|``, zeros, negatives, inf/NaN counts, values at
+the dtype's max, Python constants that round to 0 in the dtype); without them, the module call's recorded
+inputs and outputs (``records``) and the parameters recorded after ``optimizer.step()``.
+
+Classes (:data:`OP_CLASSES`), decided in this order on the producing op:
+
+1. ``cast``: a dtype cast (autocast's ``aten._to_copy`` of a weight, ``.half()``, ``.to()``) of finite values
+   beyond the target dtype's max; without op facts: the call's parameters or finite inputs exceed the output
+   dtype's max while being of a wider dtype.
+2. ``mask_arithmetic``: an operand held ``-inf`` (a mask: the replay only reaches an operand holding a kind the
+   call's inputs or a scalar brought in) and the op made a new kind from it (a fully masked row's NaN, a negated
+   mask's +inf); or an operand held a value at the dtype's max (``torch.finfo(dtype).min``, a mask constant)
+   and an add/sub/mul made ±inf from it.
+3. ``invalid``: NaN from operands holding +inf (inf − inf, 0·inf, inf/inf).
+4. ``singular``: the op's operand sits where the op is infinite or undefined: a zero denominator of a division
+   or ``reciprocal``; 0 or a negative value under ``rsqrt``/``log``; a negative value under ``sqrt``; a zero
+   base with a negative exponent, or a negative base with a fractional one, in ``pow``. Without operand facts
+   only the ops whose finite inputs can give the kind at their singular point alone count (``rsqrt``, ``log``
+   for ±inf; ``sqrt``, ``log`` for NaN).
+5. ``reduction``: a reduction (``sum``, ``mean``, ``cumsum``, ``prod``, ``norm``, ``var``, ``std``,
+   ``logsumexp``...) of finite values whose result is beyond the dtype's max.
+6. ``overflow``: ±inf from finite operands (and every backward inf).
+7. ``invalid``: any other NaN (every backward NaN: 0·inf, inf − inf, 0/0 in a derivative).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import torch
+
+from ._fmt import module_label, num
+from ._hooks import CAST_OP
+from ._overflow import Overflow
+from ._ranges import finite_absmax, weights_beyond
+from ._schema import KIND_WORDS, dtype_max
+from ._view import RunView
+
+__all__ = [
+    "OP_CLASSES",
+    "OpEvidence",
+    "Operand",
+    "call_arity",
+    "call_input_rows",
+    "class_advice",
+    "headline",
+    "op_evidence",
+    "weights_beyond_event",
+]
+
+OP_CLASSES: tuple[str, ...] = ("overflow", "singular", "invalid", "cast", "reduction", "mask_arithmetic")
+
+#: the cause of the diagnosis each class leads to in forward (backward: overflow → backward_overflow)
+CLASS_CAUSE: dict[str, str] = {
+    "overflow": "forward_overflow",
+    "cast": "forward_overflow",
+    "reduction": "forward_overflow",
+    "singular": "invalid_op",
+    "invalid": "invalid_op",
+    "mask_arithmetic": "invalid_op",
+}
+
+_CASTS = {"to", "half", "bfloat16", "type", "_to_copy", "float16", "type_as"}
+_REDUCTIONS = {
+    "sum",
+    "mean",
+    "cumsum",
+    "cumprod",
+    "prod",
+    "norm",
+    "vector_norm",
+    "linalg_vector_norm",
+    "matrix_norm",
+    "var",
+    "std",
+    "var_mean",
+    "std_mean",
+    "logsumexp",
+    "nansum",
+    "nanmean",
+    "trace",
+}
+_HELD_INF = "its inputs held +inf"
+_ARITH = {"add", "sub", "mul", "rsub", "addcmul", "masked_fill", "where", "fill", "matmul"}
+
+
+@dataclass(frozen=True)
+class Operand:
+    """One operand of the producing op as recorded: a tensor's statistics, or a Python number's ``value``."""
+
+    name: str
+    dtype: str | None = None
+    numel: int = 0
+    absmax: float = math.nan
+    absmin: float = math.nan
+    n_zero: int = 0
+    n_neg: int = 0
+    n_posinf: int = 0
+    n_neginf: int = 0
+    n_nan: int = 0
+    n_at_max: int = 0
+    value: float | None = None
+    shape: tuple[int, ...] = ()
+
+    @property
+    def is_scalar(self) -> bool:
+        return self.value is not None
+
+    @property
+    def zeros(self) -> bool:
+        return self.value == 0 if self.is_scalar else self.n_zero > 0
+
+    @property
+    def negatives(self) -> bool:
+        v = self.value
+        return (v is not None and v < 0) if self.is_scalar else self.n_neg > 0 or self.n_neginf > 0
+
+    @property
+    def posinf(self) -> bool:
+        return self.value == math.inf if self.is_scalar else self.n_posinf > 0
+
+    @property
+    def neginf(self) -> bool:
+        return self.value == -math.inf if self.is_scalar else self.n_neginf > 0
+
+    def at_max(self, dtype: str) -> bool:
+        """Holds a finite value whose ``|x|`` is ``dtype``'s largest finite value (a finfo.min mask constant)."""
+        if self.is_scalar:
+            v = self.value
+            return v is not None and math.isfinite(v) and abs(v) == dtype_max(dtype)
+        return self.n_at_max > 0
+
+    def words(self) -> str:
+        """``"arg1 (float16, 4 values): absmax 8, smallest |x| 0.5, 2 zeros, 1 negative"``."""
+        if self.is_scalar:
+            return f"{self.name} = {num(self.value)} (a Python number)"
+        parts = [f"absmax {num(self.absmax)}"]
+        if not math.isnan(self.absmin):
+            parts.append(f"smallest non-zero |x| {num(self.absmin)}")
+        for n, w in (
+            (self.n_zero, "zero"),
+            (self.n_neg, "negative"),
+            (self.n_at_max, "at ±max"),
+            (self.n_posinf, "+inf"),
+            (self.n_neginf, "-inf"),
+            (self.n_nan, "NaN"),
+        ):
+            if n:
+                parts.append(f"{n} {w}{'s' if n > 1 and w in ('zero', 'negative') else ''}")
+        return f"{self.name} ({self.dtype}, {self.numel} values): {', '.join(parts)}"
+
+
+@dataclass(frozen=True)
+class OpEvidence:
+    """The facts about an event's producing op and its class.
+
+    Attributes:
+        op: the op's name (``"rsqrt"``, ``"matmul"``, ``"aten._to_copy"``), or None when not recorded.
+        raw_kind: ``"posinf"``, ``"neginf"`` or ``"nan"``: what the op (or the call) made.
+        op_class: one of :data:`OP_CLASSES`.
+        dtype: the dtype the value was made in.
+        operands: the op's operands as recorded (empty when not recorded).
+        recorded: whether operand facts were recorded.
+        vanished: ``(value, dtype)`` of Python constants that round to 0 in the dtype (eps=1e-12 in float16).
+        because: the fact that decided the class, as a clause ("its operand arg0 holds 2 zeros").
+        what: a short name of the arithmetic (``"rsqrt of 0"``, ``"0·inf"``, ``"inf − inf"``), or ``""``.
+    """
+
+    op: str | None
+    raw_kind: str
+    op_class: str
+    dtype: str
+    operands: tuple[Operand, ...] = ()
+    recorded: bool = False
+    vanished: tuple[tuple[float, str], ...] = ()
+    because: str = ""
+    what: str = ""
+
+    @property
+    def cause(self) -> str:
+        """The diagnosis cause this class leads to (forward; a backward inf is ``backward_overflow``)."""
+        return CLASS_CAUSE[self.op_class]
+
+    def fact_lines(self) -> list[str]:
+        """Sentences of evidence, each true of the recorded data."""
+        lines: list[str] = []
+        if self.op is None:
+            lines.append("the producing op was not recorded (the forward replay runs on CPU tensors only)")
+        else:
+            lines.append(f"the producing op: `{self.op}` ({self.op_class}: {self.because})")
+            if self.recorded:
+                lines += [f"operand {o.words()}" for o in self.operands]
+            else:
+                lines.append("its operands were not recorded")
+        for v, d in self.vanished:
+            lines.append(f"the constant {v:g} rounds to 0 in {d} (smallest {d} subnormal {num(_tiny(d))})")
+        return lines
+
+
+def _tiny(dtype: str) -> float:
+    dt = getattr(torch, dtype, None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        return math.nan
+    fi = torch.finfo(dt)
+    return float(fi.smallest_normal) * float(fi.eps)  # the smallest subnormal: 2**-24 for float16
+
+
+def _base(op: str) -> str:
+    """``"__truediv__"`` → ``"div"``, ``"rsqrt_"`` → ``"rsqrt"``, ``"__iadd__"`` → ``"add"``, ``"__rtruediv__"``
+    → ``"rdiv"``."""
+    name = op.split(".")[-1]
+    dunder = name.startswith("__") and name.endswith("__")
+    name = name.strip("_")
+    if dunder and name.startswith("i") and name[1:] in ("add", "sub", "mul", "truediv", "div", "pow"):
+        name = name[1:]
+    if (
+        dunder
+        and name.startswith("r")
+        and name[1:] in ("add", "sub", "mul", "truediv", "div", "pow", "matmul")
+    ):
+        name = "r" + name[1:]
+    name = {
+        "truediv": "div",
+        "true_divide": "div",
+        "divide": "div",
+        "floor_divide": "div",
+        "rtruediv": "rdiv",
+        "radd": "add",
+        "rmul": "mul",
+        "subtract": "sub",
+        "multiply": "mul",
+        "rmatmul": "matmul",
+        "mm": "matmul",
+        "bmm": "matmul",
+        "linear": "matmul",
+        "einsum": "matmul",
+        "reciprocal": "reciprocal",
+        "float_power": "pow",
+    }.get(name, name)
+    return name
+
+
+# ---------------------------------------------------------------------------------------------- row lookups
+def _rank_rows(df: pd.DataFrame, ov: Overflow, many: bool) -> pd.DataFrame:
+    if many and "rank" in df.columns and len(df):
+        return df[df["rank"].to_numpy() == ov.rank]
+    return df
+
+
+def _many(view: RunView) -> bool:
+    return len(view.meta.ranks) > 1
+
+
+def _op_row(view: RunView, ov: Overflow) -> dict[str, Any] | None:
+    o = _rank_rows(view.ops, ov, _many(view))
+    if not len(o) or "op" not in o.columns:
+        return None
+    m = (
+        (o["step"].to_numpy() == ov.step)
+        & (o["micro_step"].to_numpy() == ov.micro_step)
+        & (o["module"].astype(str).to_numpy() == ov.module)
+        & (o["call"].to_numpy() == ov.call)
+    )
+    hit = o[m]
+    kinds = hit["kind"].astype(str).to_numpy()
+    order = ("posinf", "neginf", "nan") if ov.kind == "inf" else ("nan",)
+    for k in order:
+        rows = hit[kinds == k]
+        if len(rows):
+            return dict(rows.iloc[0])
+    # the op the replay found made another kind than the call's output shows first (a scalar inf times 0
+    # gives NaN beside the inf): it is still the call's producing op
+    return dict(hit.iloc[0]) if len(hit) and ov.kind == "inf" else None
+
+
+def call_input_rows(view: RunView, ov: Overflow) -> pd.DataFrame:
+    """The input rows of the event's module call (the model inputs for the root), local rows only."""
+    r = _rank_rows(view.records, ov, _many(view))
+    phase = "data" if ov.module == "" else "forward"
+    m = (
+        (r["step"].to_numpy() == ov.step)
+        & (r["micro_step"].to_numpy() == ov.micro_step)
+        & (r["phase"].astype(str).to_numpy() == phase)
+        & (r["module"].astype(str).to_numpy() == ov.module)
+        & r["tensor"].astype(str).str.startswith("input").to_numpy()
+    )
+    if ov.module != "":
+        m &= r["call"].to_numpy() == ov.call
+    if "reduced" in r.columns:
+        m &= ~r["reduced"].to_numpy(dtype=bool)
+    return r[m]
+
+
+def call_arity(view: RunView, ov: Overflow) -> tuple[int, list[str]]:
+    """How the event's module call was called, as recorded: the number of positional tensor inputs (highest
+    ``input[i]`` + 1) and the names of keyword tensor inputs (``input.<name>``), in order."""
+    n, kw = 0, []
+    for t in call_input_rows(view, ov)["tensor"].astype(str):
+        if t.startswith("input[") and t[6:].split("]")[0].isdigit():
+            n = max(n, int(t[6:].split("]")[0]) + 1)
+        elif t.startswith("input."):
+            name = t[6:].split(".")[0].split("[")[0]
+            if name not in kw:
+                kw.append(name)
+        elif t == "input":
+            n = max(n, 1)
+    return n, kw
+
+
+def weights_beyond_event(view: RunView, ov: Overflow) -> tuple[list[tuple[str, str, float, int]], bool]:
+    """Own parameters of the event's module whose latest known absmax exceeds the output dtype's max (a float32
+    weight above 65504 that autocast's cast to float16 makes inf), and whether they were read live.
+
+    First the recorded ``optimizer`` rows of steps before the event (:func:`~nantrace._ranges.weights_beyond`).
+    When none shows it, the live model of a recording is read, but only when the GradScaler skipped every
+    traced step from the event's on and no later ``optimizer`` row of the module was recorded: then
+    ``optimizer.step()`` did not change the weights after that forward inside the trace."""
+    if ov.phase != "forward":
+        return [], False
+    inputs = call_input_rows(view, ov)
+    if len(inputs) and int(inputs[["n_posinf", "n_neginf"]].to_numpy().sum()):
+        return [], False  # an inf its inputs already held explains it
+    records = _rank_rows(view.records, ov, _many(view))
+    if "reduced" in records.columns and len(records):
+        records = records[~records["reduced"].to_numpy(dtype=bool)]
+    dtype = str(ov.dtype)
+    rec = weights_beyond(records, ov.module, ov.step, dtype)
+    if rec:
+        return rec, False
+    limit = dtype_max(dtype)
+    steps = _rank_rows(view.steps, ov, _many(view))
+    later = steps[steps["step"].to_numpy() >= ov.step] if len(steps) else steps
+    if view.model is None or math.isnan(limit) or limit >= dtype_max("float32") or not len(later):
+        return [], False
+    if not all(v is True for v in later["skipped"].tolist()):
+        return [], False
+    opt = (
+        (records["phase"].astype(str).to_numpy() == "optimizer")
+        & (records["module"].astype(str).to_numpy() == ov.module)
+        & (records["step"].to_numpy() >= ov.step)
+    )
+    if bool(opt.any()):
+        return [], False
+    return view.model.params_beyond(ov.module, limit), True
+
+
+# ---------------------------------------------------------------------------------------------- classes
+def _operands(text: Any) -> tuple[tuple[Operand, ...], tuple[tuple[float, str], ...], bool]:
+    if not isinstance(text, str) or not text:
+        return (), (), False
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return (), (), False
+    ops = []
+    for d in doc.get("operands", []):
+        d = dict(d)
+        if "shape" in d:
+            d["shape"] = tuple(int(x) for x in d["shape"])
+        ops.append(Operand(**{k: v for k, v in d.items() if k in Operand.__dataclass_fields__}))
+    vanished = tuple((float(v), str(dt)) for v, dt in doc.get("vanished", []))
+    return tuple(ops), vanished, True
+
+
+def _singular(base: str, kind: str, ops: tuple[Operand, ...]) -> tuple[str, str] | None:
+    """(because, what) when an operand sits at the op's singular point (module docstring, rule 4)."""
+    tensors = [o for o in ops if not o.is_scalar] or list(ops)
+    if base in ("div", "rdiv", "reciprocal") and ops:
+        den = ops[0] if base in ("rdiv", "reciprocal") else (ops[1] if len(ops) > 1 else None)
+        if den is not None and den.zeros:
+            num_ops = [o for o in ops if o is not den]
+            zero_num = bool(num_ops) and num_ops[0].zeros
+            what = "0/0" if kind == "nan" and zero_num else "x/0"
+            return (
+                f"its denominator {den.name} holds {'0' if den.is_scalar else f'{den.n_zero} zero(s)'}",
+                what,
+            )
+    if base in ("rsqrt", "log", "log2", "log10") and tensors:
+        x = tensors[0]
+        if kind != "nan" and x.zeros:
+            return f"its operand {x.name} holds {x.n_zero} zero(s)", f"{base} of 0"
+        if kind == "nan" and x.negatives:
+            return f"its operand {x.name} holds {x.n_neg} negative value(s)", f"{base} of a negative value"
+    if base == "log1p" and tensors and tensors[0].negatives:
+        return (
+            f"its operand {tensors[0].name} holds negative values (log1p is -inf at -1)",
+            "log1p at or below -1",
+        )
+    if base == "sqrt" and kind == "nan" and tensors and tensors[0].negatives:
+        x = tensors[0]
+        return f"its operand {x.name} holds {x.n_neg} negative value(s)", "sqrt of a negative value"
+    if base in ("pow", "rpow") and len(ops) >= 2:
+        b, e = (ops[0], ops[1]) if base == "pow" else (ops[1], ops[0])
+        if kind != "nan" and b.zeros and e.negatives:
+            return f"its base {b.name} holds 0 and its exponent {e.name} is negative", "0 to a negative power"
+        frac = e.is_scalar and e.value is not None and math.isfinite(e.value) and e.value != round(e.value)
+        if kind == "nan" and b.negatives and (frac or not e.is_scalar):
+            return (
+                f"its base {b.name} holds negative values under a fractional exponent",
+                "a fractional power of a negative value",
+            )
+    return None
+
+
+def _classify_op(
+    op: str, kind: str, dtype: str, ops: tuple[Operand, ...], recorded: bool
+) -> tuple[str, str, str]:
+    """(class, because, what) of a named op (module docstring)."""
+    base = _base(op)
+    if op == CAST_OP or base in _CASTS:
+        src = ops[0] if ops else None
+        if src is not None and not src.is_scalar:
+            return (
+                "cast",
+                f"it cast {src.dtype} values of absmax {num(src.absmax)} to {dtype}, max {num(dtype_max(dtype))}",
+                f"a cast to {dtype}",
+            )
+        return "cast", f"a cast to {dtype} made {KIND_WORDS[kind]}", f"a cast to {dtype}"
+    if recorded:
+        neg = [o for o in ops if o.neginf]
+        pos = [o for o in ops if o.posinf]
+        if neg and not pos:
+            what = "a fully masked row" if kind == "nan" else "a negated -inf mask"
+            return "mask_arithmetic", f"its operand {neg[0].name} holds -inf (a mask)", what
+        if pos or neg:
+            o = (pos or neg)[0]
+            what = {
+                "add": "inf − inf",
+                "sub": "inf − inf",
+                "mul": "0·inf",
+                "matmul": "0·inf",
+                "div": "inf/inf",
+            }.get(base, "an op on inf")
+            return "invalid", f"its operand {o.name} holds inf", what
+        big = [o for o in ops if o.at_max(dtype)]
+        if big and kind != "nan" and base in _ARITH:
+            return (
+                "mask_arithmetic",
+                f"its operand {big[0].name} holds ±{num(dtype_max(dtype))} (torch.finfo({dtype}).min, a mask constant)",
+                "finfo.min plus a negative value rounds to -inf",
+            )
+    sing = _singular(base, kind, ops) if recorded else None
+    by_name = base in ("rsqrt", "log", "log2", "log10") or (base == "sqrt" and kind == "nan")
+    if sing is None and not recorded and by_name:
+        sing = (
+            "the only finite input at which it gives this is its singular point (operands not recorded)",
+            f"{base} at its singular point",
+        )
+    if sing is not None:
+        return "singular", sing[0], sing[1]
+    if base in _REDUCTIONS and kind != "nan":
+        many = max((o.numel for o in ops if not o.is_scalar), default=0)
+        shown = (
+            f" of {many} finite values (absmax {num(max(o.absmax for o in ops if not o.is_scalar))})"
+            if many
+            else ""
+        )
+        return (
+            "reduction",
+            f"a {base}{shown} exceeded {num(dtype_max(dtype))}",
+            f"a {base} beyond {dtype}'s max",
+        )
+    if kind != "nan":
+        amax = [o.absmax for o in ops if not o.is_scalar and not math.isnan(o.absmax)]
+        shown = f" (absmax {num(max(amax))})" if amax else ""
+        return (
+            "overflow",
+            f"finite operands{shown} gave a result beyond {num(dtype_max(dtype))}",
+            f"{base} beyond {dtype}'s max",
+        )
+    return "invalid", "finite operands gave NaN", "an invalid operation"
+
+
+def _classify_call(view: RunView, ov: Overflow, kind: str, beyond: bool) -> tuple[str, str, str]:
+    """(class, because, what) from the module call's recorded inputs when no op facts decide (rules 1–7)."""
+    dtype = str(ov.dtype)
+    if ov.phase == "backward":
+        if kind == "nan":
+            return (
+                "invalid",
+                "its backward made NaN from finite incoming gradients",
+                "0·inf, inf − inf or 0/0 in a derivative",
+            )
+        return (
+            "overflow",
+            "its backward made inf from finite incoming gradients",
+            f"a gradient beyond {dtype}'s max",
+        )
+    inputs = call_input_rows(view, ov)
+    limit = dtype_max(dtype)
+    if beyond:
+        return "cast", f"its parameters exceed {dtype}'s {num(limit)}", f"a cast of its weights to {dtype}"
+    in_max = finite_absmax(inputs) if len(inputs) else math.nan
+    wider = [d for d in inputs["dtype"].astype(str).unique()] if len(inputs) else []
+    if not math.isnan(in_max) and in_max > limit and any(dtype_max(d) > limit for d in wider):
+        return (
+            "cast",
+            f"its finite inputs (absmax {num(in_max)}) exceed {dtype}'s {num(limit)}",
+            f"a cast of its inputs to {dtype}",
+        )
+    pos = bool(len(inputs)) and int(inputs["n_posinf"].sum()) > 0
+    neg = bool(len(inputs)) and int(inputs["n_neginf"].sum()) > 0
+    if kind == "nan":
+        if pos:
+            return "invalid", _HELD_INF, "inf − inf, 0·inf or inf/inf"
+        if neg:
+            return "mask_arithmetic", "its inputs held -inf (a mask)", "a fully masked row"
+        return "invalid", "its inputs held no inf/NaN", "0/0, 0·inf or inf − inf inside the call"
+    if neg and not pos:
+        return (
+            "mask_arithmetic",
+            "its inputs held -inf (a mask) that went on into values that are not a mask",
+            "a mask's -inf carried on",
+        )
+    return (
+        "overflow",
+        f"finite inputs (absmax {num(in_max)}) gave a value beyond {num(limit)}",
+        f"a value beyond {dtype}'s max",
+    )
+
+
+def _event_kind(view: RunView, ov: Overflow) -> str:
+    if ov.kind == "nan":
+        return "nan"
+    r = _rank_rows(view.records, ov, _many(view))
+    m = (
+        (r["step"].to_numpy() == ov.step)
+        & (r["micro_step"].to_numpy() == ov.micro_step)
+        & (r["phase"].astype(str).to_numpy() == ov.phase)
+        & (r["module"].astype(str).to_numpy() == ov.module)
+        & (r["tensor"].astype(str).to_numpy() == ov.tensor)
+    )
+    rows = r[m]
+    if len(rows) and int(rows["n_posinf"].sum()) == 0 and int(rows["n_neginf"].sum()) > 0:
+        return "neginf"
+    return "posinf"
+
+
+def op_evidence(view: RunView, ov: Overflow) -> OpEvidence | None:
+    """The facts and class of the op that produced ``ov`` (a ``forward`` or ``backward`` event); None for the
+    other phases (no op of the model made the value)."""
+    if ov.phase not in ("forward", "backward"):
+        return None
+    dtype = str(ov.dtype)
+    row = _op_row(view, ov) if ov.phase == "forward" else None
+    beyond = bool(weights_beyond_event(view, ov)[0]) if ov.phase == "forward" else False
+    if row is not None:
+        kind = str(row["kind"])
+        ops, vanished, recorded = _operands(row.get("operands"))
+        if beyond and str(row["op"]) != CAST_OP:
+            cls, because, what = _classify_call(view, ov, kind, beyond)
+        else:
+            cls, because, what = _classify_op(str(row["op"]), kind, dtype, ops, recorded)
+        return OpEvidence(str(row["op"]), kind, cls, dtype, ops, recorded, vanished, because, what)
+    kind = _event_kind(view, ov)
+    cls, because, what = _classify_call(view, ov, kind, beyond)
+    return OpEvidence(None, kind, cls, dtype, (), False, (), because, what)
+
+
+_VERBS = {
+    "overflow": "overflowed {dtype} ({kind})",
+    "reduction": "overflowed {dtype} in a reduction ({kind})",
+    "cast": "overflowed in a cast to {dtype} ({kind})",
+    "singular": "hit a singular point: {what} gave {kind} ({dtype})",
+    "invalid": "made {kind} by an invalid operation: {what} ({dtype})",
+    "mask_arithmetic": "made {kind} by mask arithmetic: {what} ({dtype})",
+}
+
+
+def headline(ov: Overflow, ev: OpEvidence | None, limit: int = 160) -> str:
+    """One line of at most ``limit`` characters: who, what, where ("step 28 forward: `blocks.1.attn.scores`
+    (matmul) overflowed float16 (+inf)")."""
+    where = f"step {ov.step}" + (f", micro-step {ov.micro_step}" if ov.micro_step else "") + f" {ov.phase}"
+    if ev is None:
+        words = "NaN" if ov.kind == "nan" else "inf"
+        if ov.phase == "data":
+            line = f"{where}: model input `{ov.tensor}` held {words} before any module ran ({ov.dtype})"
+        elif ov.phase == "loss":
+            which = "the loss" if ov.tensor.startswith("loss") else "the gradient at the model's outputs"
+            line = f"{where}: {which} (`{ov.tensor}`) was {words} ({ov.dtype})"
+        elif ov.phase == "optimizer":
+            line = f"{where}: optimizer.step() made `{ov.tensor}` of {module_label(ov.module)} {words} ({ov.dtype})"
+        else:
+            line = f"{where}: {module_label(ov.module)} `{ov.tensor}` held {words} ({ov.dtype})"
+        return _fit(line, limit)
+    what = _VERBS[ev.op_class].format(dtype=ev.dtype, kind=KIND_WORDS[ev.raw_kind], what=ev.what)
+    op = f" (`{ev.op}`)" if ev.op is not None else f" ({ov.module_type})"
+    who = "the backward of " if ov.phase == "backward" else ""
+    return _fit(f"{where}: {who}{module_label(ov.module)}{op} {what}", limit)
+
+
+def _fit(line: str, limit: int) -> str:
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _matmul_advice(ev: OpEvidence, name: str) -> list[str]:
+    """For a matmul of two recorded tensors whose operand sizes alone bound the product beyond the dtype's max
+    (absmax a × absmax b × inner dimension K): scale an operand before the product."""
+    t = [o for o in ev.operands if not o.is_scalar and o.shape]
+    if len(t) < 2 or math.isnan(t[0].absmax) or math.isnan(t[1].absmax):
+        return []
+    k = t[0].shape[-1]
+    bound = t[0].absmax * t[1].absmax * k
+    limit = dtype_max(ev.dtype)
+    if not bound > limit:
+        return []
+    return [
+        f"In {name}: `{ev.op}` sums {k} products of operands of absmax {num(t[0].absmax)} and {num(t[1].absmax)} "
+        f"(up to {num(bound)} > {num(limit)}): scale an operand down *before* the product (for attention "
+        "scores, q by 1/sqrt(head_dim) before q·kᵀ, when it is not already), or compute the product in float32 "
+        "(`torch.matmul(a.float(), b.float())`)."
+    ]
+
+
+def class_advice(ev: OpEvidence, module: str) -> list[str]:
+    """The fixes that follow from the class and the operands (none for ``overflow``/``cast``: the caller's
+    advice on dtypes and weights applies there)."""
+    name, base = module_label(module), _base(ev.op) if ev.op else ""
+    out: list[str] = []
+    if ev.op_class == "singular":
+        for v, d in ev.vanished:
+            out.append(
+                f"The constant {v:g} is 0 in {d}: use an eps {d} can hold (at least {num(_tiny(d))}; e.g. 1e-5), "
+                "or compute this op in float32."
+            )
+        if base in ("div", "rdiv", "reciprocal"):
+            out.append(f"In {name}: keep the denominator away from 0: `x / (d + eps)` or `d.clamp_min(eps)`.")
+        elif base in ("pow", "rpow"):
+            out.append(
+                f"In {name}: clamp the base away from 0 before a negative power (`x.clamp_min(eps) ** p`)."
+            )
+        else:
+            op = f"`{ev.op}`" if ev.op else "the op"
+            out.append(
+                f"In {name}: keep the argument of {op} away from 0 and negatives (`x.clamp_min(eps)`, or add eps inside)."
+            )
+        out.append(
+            "Not an overflow: a lower loss scale does not remove it, and a wider dtype only with an eps it can hold."
+        )
+    elif ev.op_class == "invalid":
+        held_inf = any(o.posinf or o.neginf for o in ev.operands) or ev.because == _HELD_INF
+        out.append(
+            f"In {name}: an operand already held inf ({ev.what}); find where that inf was made and compute it in "
+            "float32, or mask/clamp before this op."
+            if held_inf
+            else f"Find the invalid op in {name}'s forward (0/0, 0·inf, inf − inf, sqrt/log of a negative): add "
+            "eps to denominators and clamp arguments of sqrt/log."
+        )
+    elif ev.op_class == "mask_arithmetic":
+        out.append(
+            f"In {name}: apply the mask with `scores.masked_fill(mask, torch.finfo(scores.dtype).min)` rather than "
+            "adding or multiplying it (finfo.min plus a negative value rounds to -inf; 0·(-inf) is NaN)."
+        )
+        out.append(
+            "Keep at least one unmasked key per row, or zero fully masked rows after the softmax "
+            "(`probs.masked_fill(all_masked, 0)`)."
+        )
+    elif ev.op_class == "overflow" and base == "matmul":
+        out += _matmul_advice(ev, name)
+    elif ev.op_class == "reduction":
+        op = base or "reduction"
+        out.append(
+            f"In {name}: compute the {op} in float32 (`x.float().{op}(...)`, then cast back), or reduce fewer or "
+            "smaller values (a mean instead of a sum, rescale first)."
+        )
+    return out

@@ -1,0 +1,121 @@
+"""The operand facts of the op the forward replay names (``Trace.ops``'s ``operands`` column): pure functions
+from the producing op's operands and result to a small JSON text, computed once, after the replay, on the host
+path only (the replay runs only there).
+
+The JSON object holds:
+
+* ``operands``: one entry per operand, in argument order. A tensor gives ``name`` (``arg0``, ``arg1``,
+  ``arg0[1]`` for a tensor inside a list argument, or the keyword), ``dtype``, ``numel``, ``shape``, ``absmax`` and
+  ``absmin`` (over the finite values; ``absmin`` is the smallest non-zero ``|x|``), ``n_zero``, ``n_neg``
+  (finite values below 0), ``n_posinf``, ``n_neginf``, ``n_nan`` and ``n_at_max`` (finite values whose ``|x|``
+  equals the dtype's largest finite value, e.g. a ``torch.finfo(float16).min`` mask constant). A Python number
+  gives ``name`` and ``value``.
+* ``result``: the same statistics of the op's first output holding the new kind.
+* ``vanished``: ``[value, dtype]`` for each non-zero Python constant that an op of the replay, up to the
+  producing one, combined with a tensor of a dtype in which the constant rounds to 0 (``eps=1e-12`` in
+  float16, whose smallest subnormal is 6e-8).
+
+An in-place op's operands are copies taken before it ran (the op overwrites its first operand).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["named_operands", "note_vanished", "operand_facts", "tensor_facts"]
+
+
+def tensor_facts(t: torch.Tensor) -> dict[str, Any]:
+    """The statistics of one tensor (see the module docstring), read on the host: not for hooks on a device."""
+    x = t.detach()
+    if x.element_size() == 1:
+        x = x.float()
+    x = x.reshape(-1)
+    fin = torch.isfinite(x)
+    a = x.abs()
+    finite_abs = a[fin]
+    nonzero = finite_abs[finite_abs > 0]
+    big = float(torch.finfo(t.dtype).max)
+    return {
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "numel": int(x.numel()),
+        "shape": [int(d) for d in t.shape],
+        "absmax": float(finite_abs.max()) if finite_abs.numel() else math.nan,
+        "absmin": float(nonzero.min()) if nonzero.numel() else math.nan,
+        "n_zero": int((x == 0).sum()),
+        "n_neg": int(((x < 0) & fin).sum()),
+        "n_posinf": int(torch.isposinf(x).sum()),
+        "n_neginf": int(torch.isneginf(x).sum()),
+        "n_nan": int(torch.isnan(x).sum()),
+        "n_at_max": int((finite_abs == big).sum()),
+    }
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def named_operands(args: Any, kwargs: Any, snapshots: list[torch.Tensor] | None) -> list[tuple[str, Any]]:
+    """``(name, tensor or number)`` for an op's floating tensors and Python numbers, in argument order; the
+    tensors of an in-place op replaced, in order, by ``snapshots`` (copies taken before it ran)."""
+    out: list[tuple[str, Any]] = []
+
+    def add(name: str, v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            if (
+                v.is_floating_point()
+                and v.numel() > 0
+                and v.layout == torch.strided
+                and v.device.type != "meta"
+            ):
+                out.append((name, v))
+        elif _is_number(v):
+            out.append((name, v))
+        elif isinstance(v, (list, tuple)):
+            for j, w in enumerate(v):
+                add(f"{name}[{j}]", w)
+
+    for i, a in enumerate(args):
+        add(f"arg{i}", a)
+    for k, v in (kwargs or {}).items():
+        add(str(k), v)
+    if snapshots:
+        it = iter(snapshots)
+        out = [(n, next(it, v)) if isinstance(v, torch.Tensor) else (n, v) for n, v in out]
+    return out
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def note_vanished(seen: dict[float, str], args: Any, kwargs: Any, dtype: torch.dtype) -> None:
+    """Add to ``seen`` every non-zero finite Python float among ``args``/``kwargs`` (top level) that rounds to 0
+    in ``dtype`` (a half dtype): the constant is 0 in the arithmetic the op does."""
+    if dtype not in _HALF:
+        return
+    for v in [*args, *(kwargs or {}).values()]:
+        small = isinstance(v, float) and v != 0 and math.isfinite(v) and v not in seen
+        if small and float(torch.tensor(v, dtype=dtype)) == 0:
+            seen[v] = str(dtype).removeprefix("torch.")
+
+
+def operand_facts(
+    operands: list[tuple[str, Any]], result: torch.Tensor | None, vanished: dict[float, str]
+) -> str:
+    """The JSON text of the ``operands`` column (module docstring)."""
+    ops: list[dict[str, Any]] = []
+    for name, v in operands:
+        if isinstance(v, torch.Tensor):
+            ops.append({"name": name, **tensor_facts(v)})
+        else:
+            ops.append({"name": name, "value": float(v)})
+    doc = {
+        "operands": ops,
+        "result": tensor_facts(result) if result is not None else None,
+        "vanished": [[v, d] for v, d in vanished.items()],
+    }
+    return json.dumps(doc)

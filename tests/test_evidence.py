@@ -1,0 +1,313 @@
+"""The evidence engine (``nantrace._evidence``): each op class on a tiny float16 model whose fault is explicit
+arithmetic (``rsqrt(0)``, ``log(0)``, ``x / 0``, ``0 ** -1``, a value past 65504, a finfo.min mask), with the
+exact op, class, cause and headline; ``str(Overflow)`` and ``tr.diagnose()`` agree on each."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import nantrace
+from nantrace._evidence import Operand, OpEvidence, call_arity, op_evidence
+
+H = torch.float16
+ONE = torch.ones(2, 4, dtype=H)
+RAMP = torch.tensor([[1.0, 3.0, 5.0, 1.0]], dtype=H)  # RAMP - 1 holds two zeros and finite values
+
+
+class Body(nn.Module):
+    """A hand-written module computing ``f`` (its forward is a sequence of ops)."""
+
+    def __init__(self, f: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.f = f
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return self.f(*xs)
+
+
+class Net(nn.Module):
+    def __init__(self, f: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.body = Body(f)
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return self.body(*xs)
+
+
+def _rms_eps_1e12(x: torch.Tensor) -> torch.Tensor:
+    centred = x - x.mean(-1, keepdim=True)
+    return x * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-12)  # 1e-12 is 0 in float16
+
+
+def _layernorm_eps_1e12(x: torch.Tensor) -> torch.Tensor:
+    centred = x - x.mean(-1, keepdim=True)
+    return centred / torch.sqrt((centred**2).mean(-1, keepdim=True) + 1e-12)
+
+
+def _finfo_min_mask(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return x + (1 - keep) * torch.finfo(torch.float16).min  # -100 + -65504 rounds to -inf
+
+
+def _fully_masked_softmax(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x.masked_fill(keep == 0, -math.inf), -1)
+
+
+SCORES = torch.full((1, 4), -100.0, dtype=H)
+KEEP = torch.tensor([[1.0, 1.0, 0.0, 0.0]], dtype=H)
+
+# (name, f, inputs, op, raw kind, class, cause, headline)
+CLASSES: list[tuple[str, Callable[..., torch.Tensor], tuple[torch.Tensor, ...], str, str, str, str, str]] = [
+    (
+        "rsqrt(0) from eps=1e-12",
+        _rms_eps_1e12,
+        (ONE,),
+        "rsqrt",
+        "posinf",
+        "singular",
+        "invalid_op",
+        "step 0 forward: `body` (`rsqrt`) hit a singular point: rsqrt of 0 gave +inf (float16)",
+    ),
+    (
+        "log(0)",
+        lambda x: torch.log(x - 1),
+        (RAMP,),
+        "log",
+        "neginf",
+        "singular",
+        "invalid_op",
+        "step 0 forward: `body` (`log`) hit a singular point: log of 0 gave -inf (float16)",
+    ),
+    (
+        "x / 0",
+        lambda x: x / (x - 1),
+        (RAMP,),
+        "div",
+        "posinf",
+        "singular",
+        "invalid_op",
+        "step 0 forward: `body` (`div`) hit a singular point: x/0 gave +inf (float16)",
+    ),
+    (
+        "pow(0, -1)",
+        lambda x: (x - 1).pow(-1),
+        (RAMP,),
+        "pow",
+        "posinf",
+        "singular",
+        "invalid_op",
+        "step 0 forward: `body` (`pow`) hit a singular point: 0 to a negative power gave +inf (float16)",
+    ),
+    (
+        "hand-written LayerNorm, eps=1e-12, constant row",
+        _layernorm_eps_1e12,
+        (torch.cat([ONE[:1], RAMP]),),
+        "div",
+        "nan",
+        "singular",
+        "invalid_op",
+        "step 0 forward: `body` (`div`) hit a singular point: 0/0 gave NaN (float16)",
+    ),
+    (
+        "an explicit 0 * inf",
+        lambda x: (x - 1) * math.inf,
+        (RAMP,),
+        "mul",
+        "nan",
+        "invalid",
+        "invalid_op",
+        "step 0 forward: `body` (`mul`) made NaN by an invalid operation: 0·inf (float16)",
+    ),
+    (
+        "a value past 65504",
+        lambda x: x * 40000.0 * 2,
+        (ONE,),
+        "mul",
+        "posinf",
+        "overflow",
+        "forward_overflow",
+        "step 0 forward: `body` (`mul`) overflowed float16 (+inf)",
+    ),
+    (
+        "cumsum over 2000 values of 40",
+        lambda x: torch.cumsum(x * 40, dim=-1),
+        (torch.ones(1, 2000, dtype=H),),
+        "cumsum",
+        "posinf",
+        "reduction",
+        "forward_overflow",
+        "step 0 forward: `body` (`cumsum`) overflowed float16 in a reduction (+inf)",
+    ),
+    (
+        "float32 1e5 cast to float16",
+        lambda x: x.half(),
+        (torch.full((2, 4), 1e5),),
+        "aten._to_copy",
+        "posinf",
+        "cast",
+        "forward_overflow",
+        "step 0 forward: `body` (`aten._to_copy`) overflowed in a cast to float16 (+inf)",
+    ),
+    (
+        "finfo.min mask added to a negative score",
+        _finfo_min_mask,
+        (SCORES, KEEP),
+        "add",
+        "neginf",
+        "mask_arithmetic",
+        "invalid_op",
+        "step 0 forward: `body` (`add`) made -inf by mask arithmetic: finfo.min plus a negative value rounds to "
+        "-inf (float16)",
+    ),
+    (
+        "fully masked softmax row",
+        _fully_masked_softmax,
+        (SCORES, torch.zeros(1, 4, dtype=H)),
+        "softmax",
+        "nan",
+        "mask_arithmetic",
+        "invalid_op",
+        "step 0 forward: `body` (`softmax`) made NaN by mask arithmetic: a fully masked row (float16)",
+    ),
+]
+
+
+def _run(f: Callable[..., torch.Tensor], xs: tuple[torch.Tensor, ...]) -> nantrace.Trace:
+    m = Net(f)
+    with nantrace.trace(m) as tr:
+        m(*xs)
+    return tr
+
+
+@pytest.mark.parametrize(
+    ("name", "f", "xs", "op", "raw", "cls", "cause", "head"), CLASSES, ids=[c[0] for c in CLASSES]
+)
+def test_each_op_class_names_the_op_cause_and_headline(
+    name: str, f: Any, xs: Any, op: str, raw: str, cls: str, cause: str, head: str
+) -> None:
+    tr = _run(f, xs)
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.phase, ov.module, ov.op_class) == ("forward", "body", cls)
+    assert tr.ops[["module", "op", "kind"]].values.tolist() == [["body", op, raw]]
+    d = tr.diagnose()
+    assert (d.cause, d.op_class, d.overflow) == (cause, cls, ov)
+    assert str(ov).splitlines()[0] == head == d.headline
+    assert str(d).splitlines()[0] == f"nantrace diagnosis: {cause} · {head}"
+    assert d.to_dict()["op_class"] == cls
+    if cls == "singular":  # never called an overflow
+        assert "overflows above" not in str(ov) and "overflowed" not in str(d)
+    if cls == "mask_arithmetic":
+        assert "q·kᵀ" not in str(ov) + str(d)
+
+
+def test_operand_facts_are_the_recorded_numbers() -> None:
+    tr = _run(_rms_eps_1e12, (ONE,))
+    ov = tr.first_overflow()
+    assert ov is not None
+    ev = op_evidence(tr._view(), ov)
+    assert ev is not None and math.isnan(ev.operands[0].absmin)  # no non-zero |x|: every value is 0
+    assert ev == OpEvidence(
+        op="rsqrt",
+        raw_kind="posinf",
+        op_class="singular",
+        dtype="float16",
+        operands=(Operand("arg0", "float16", 2, 0.0, ev.operands[0].absmin, 2, 0, 0, 0, 0, 0, None, (2, 1)),),
+        recorded=True,
+        vanished=((1e-12, "float16"),),
+        because="its operand arg0 holds 2 zero(s)",
+        what="rsqrt of 0",
+    )
+    lines = str(ov).splitlines()
+    assert "operand arg0 (float16, 2 values): absmax 0, 2 zeros" in lines
+    assert "the constant 1e-12 rounds to 0 in float16 (smallest float16 subnormal 5.96e-08)" in lines
+    assert any(a.startswith("The constant 1e-12 is 0 in float16") for a in tr.diagnose().advice)
+
+
+def test_a_matmul_bound_beyond_the_max_is_told_to_scale_an_operand_before_the_product() -> None:
+    tr = _run(lambda q, k: q @ k.transpose(-1, -2), (torch.full((1, 4, 64), 40.0, dtype=H),) * 2)
+    ov = tr.first_overflow()
+    assert ov is not None and ov.op_class == "overflow"
+    want = (
+        "In `body`: `matmul` sums 64 products of operands of absmax 40 and 40 (up to 102400 > 65504): scale an "
+        "operand down *before* the product"
+    )
+    assert any(line.startswith(want) for line in str(ov).splitlines())
+    assert any(a.startswith(want) for a in tr.diagnose().advice)
+
+
+def test_a_reduction_overflow_is_never_told_to_scale_q_k() -> None:
+    tr = _run(lambda x: torch.cumsum(x * 40, dim=-1), (torch.ones(1, 2000, dtype=H),))
+    d = tr.diagnose()
+    assert "q·kᵀ" not in str(d) + str(tr.first_overflow())
+    assert d.summary == (
+        "`body` (Body) overflowed float16 in its forward at step 0: a cumsum of 2000 finite values (absmax 40) "
+        "exceeded 65504."
+    )
+
+
+def test_inf_minus_inf_from_an_input_holding_inf_is_invalid() -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.big = Body(lambda x: x * 70000)  # +inf
+            self.diff = Body(lambda x: x - x)  # inf - inf = NaN
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.diff(self.big(x))
+
+    m = Two()
+    with nantrace.trace(m) as tr:
+        m(ONE)
+    ov = tr.first_overflow(kind="nan")
+    assert ov is not None and (ov.module, ov.op_class) == ("diff", "invalid")
+    assert str(ov).splitlines()[0] == (
+        "step 0 forward: `diff` (`sub`) made NaN by an invalid operation: inf − inf (float16)"
+    )
+    first = tr.first_overflow()
+    assert first is not None and (first.module, first.op_class) == ("big", "overflow")
+
+
+class TwoArgs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blk = Body(lambda a, b: a @ b.transpose(-1, -2))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.blk(a, b)
+
+
+def test_the_float32_snippet_calls_the_module_with_the_arity_it_was_called_with() -> None:
+    m = TwoArgs()
+    with nantrace.trace(m) as tr, torch.autocast("cpu", dtype=torch.float16):
+        m(torch.full((1, 4, 64), 40.0), torch.full((1, 4, 64), 40.0))
+    d = tr.diagnose()
+    assert d.cause == "forward_overflow" and d.overflow is not None
+    assert call_arity(tr._view(), d.overflow) == (2, [])
+    assert (
+        "Keep `blk` in float32: run it with autocast off, `with torch.autocast(device_type=..., enabled=False): "
+        "y = model.blk(x0.float(), x1.float())`."
+    ) in d.advice
+
+
+class LongName(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_module("a" * 150, Body(lambda x: x * 40000.0 * 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, "a" * 150)(x)
+
+
+def test_headlines_fit_in_160_characters() -> None:
+    m = LongName()
+    with nantrace.trace(m) as tr:
+        m(ONE)
+    ov = tr.first_overflow()
+    assert ov is not None
+    assert len(str(ov).splitlines()[0]) == 160 and str(ov).splitlines()[0].endswith("…")
+    assert len(str(tr.diagnose()).splitlines()[0]) == 160
