@@ -92,6 +92,11 @@ def named_operands(args: Any, kwargs: Any, snapshots: list[torch.Tensor] | None)
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def _half_tiny(dtype: torch.dtype) -> float:
+    fi = torch.finfo(dtype)
+    return float(fi.smallest_normal) * float(fi.eps) / 2  # half the smallest subnormal
+
+
 def note_vanished(seen: dict[float, str], args: Any, kwargs: Any, dtype: torch.dtype) -> None:
     """Add to ``seen`` every non-zero finite Python float among ``args``/``kwargs`` (top level) that rounds to 0
     in ``dtype`` (a half dtype): the constant is 0 in the arithmetic the op does."""
@@ -99,7 +104,9 @@ def note_vanished(seen: dict[float, str], args: Any, kwargs: Any, dtype: torch.d
         return
     for v in [*args, *(kwargs or {}).values()]:
         small = isinstance(v, float) and v != 0 and math.isfinite(v) and v not in seen
-        if small and float(torch.tensor(v, dtype=dtype)) == 0:
+        # no tensor is made here (the replay's dispatch-level cast watch would see it): a value rounds to 0
+        # when it is at most half the dtype's smallest subnormal (round half to even)
+        if small and abs(v) <= _half_tiny(dtype):
             seen[v] = str(dtype).removeprefix("torch.")
 
 
