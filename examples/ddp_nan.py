@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import textwrap
 
 import torch
 import torch.distributed as dist
@@ -106,7 +107,7 @@ def main() -> None:
             print(
                 f"first overflow: rank {ov.rank}, step {ov.step}, {ov.phase}, module `{ov.module}`, {ov.kind}"
             )
-            print(f"  {ov}")
+            print(textwrap.indent(str(ov), "  "))  # a headline line, then evidence and advice lines
             print(
                 merged.overflows(per_rank=True)[["step", "rank", "phase", "module", "tensor", "propagated"]]
             )
