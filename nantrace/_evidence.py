@@ -50,6 +50,7 @@ __all__ = [
     "OP_CLASSES",
     "OpEvidence",
     "Operand",
+    "backward_dtype",
     "call_arity",
     "call_input_rows",
     "class_advice",
@@ -529,6 +530,22 @@ def _classify_call(view: RunView, ov: Overflow, kind: str, beyond: bool) -> tupl
     )
 
 
+def backward_dtype(view: RunView, ov: Overflow) -> str:
+    """The dtype a backward value was computed in: the event's dtype, or the narrower dtype of the gradients
+    arriving at the module (a float32 ``weight.grad`` computed from float16 gradients under autocast)."""
+    r = _rank_rows(view.records, ov, _many(view))
+    m = (
+        (r["step"].to_numpy() == ov.step)
+        & (r["micro_step"].to_numpy() == ov.micro_step)
+        & r["phase"].astype(str).isin(["backward", "loss"]).to_numpy()
+        & (r["module"].astype(str).to_numpy() == ov.module)
+        & r["tensor"].astype(str).str.startswith("grad_output").to_numpy()
+    )
+    dtypes = [str(d) for d in r[m]["dtype"].astype(str).unique()]
+    narrow = min(dtypes, key=dtype_max) if dtypes else str(ov.dtype)
+    return narrow if dtype_max(narrow) < dtype_max(str(ov.dtype)) else str(ov.dtype)
+
+
 def _event_kind(view: RunView, ov: Overflow) -> str:
     if ov.kind == "nan":
         return "nan"
@@ -551,7 +568,7 @@ def op_evidence(view: RunView, ov: Overflow) -> OpEvidence | None:
     other phases (no op of the model made the value)."""
     if ov.phase not in ("forward", "backward"):
         return None
-    dtype = str(ov.dtype)
+    dtype = str(ov.dtype) if ov.phase == "forward" else backward_dtype(view, ov)
     row = _op_row(view, ov) if ov.phase == "forward" else None
     beyond = bool(weights_beyond_event(view, ov)[0]) if ov.phase == "forward" else False
     if row is not None:

@@ -13,6 +13,7 @@ import datetime as _dt
 import math
 import os
 import sys
+import textwrap
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -490,7 +491,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(
             f"locator: first non-finite value at step {ov.step}, {ov.phase}, module `{ov.module}` ({ov.module_type}):"
         )
-        print(f"  {ov}")
+        print(textwrap.indent(str(ov), "  "))  # the headline line, then evidence and advice lines
         ovs = tr.overflows()
         print(f"\nsteps with a non-finite value ({len(ovs)}), by first producer:")
         print("\n".join(overflow_runs(ovs)))
