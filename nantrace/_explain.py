@@ -456,9 +456,12 @@ def _captured_this(view: RunView, fields: dict[str, Any]) -> bool:
 
 
 def _filter_note(view: RunView, fields: dict[str, Any]) -> str:
-    if fields["phase"] not in ("forward", "backward") or view.model is None:
+    if fields["phase"] not in ("forward", "backward"):
         return ""
-    if not view.model.hides_submodules_of(str(fields["module"])):
+    hides = view.meta.hides_submodules_of(str(fields["module"]))  # recorded, saved with the trace
+    if hides is None and view.model is not None:
+        hides = view.model.hides_submodules_of(str(fields["module"]))
+    if not hides:
         return ""
     return (
         f" (Only the modules matching modules={view.meta.options['modules']} were traced: an untraced "

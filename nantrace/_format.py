@@ -87,11 +87,13 @@ def make_header(
     run_id: str | None,
     bad_samples: Any = (),
     builtin_modules: Any = None,
+    untraced_modules: Any = None,
 ) -> dict[str, Any]:
     """The JSON header of a trace file (``saved_at`` is now). ``bad_samples``: rows ``(rank, step, micro_step,
     tensor, n_bad, first indices)`` of the model inputs that held inf/NaN (:mod:`nantrace._samples`).
     ``builtin_modules``: the traced modules that run torch's own ``forward`` (None: not known), which the
-    explanations read, so a loaded trace words them as the live one did."""
+    explanations read, so a loaded trace words them as the live one did; ``untraced_modules``: the modules a
+    ``modules=`` filter left out (empty without a filter; None: not known)."""
     from ._version import __version__
 
     return {
@@ -109,6 +111,7 @@ def make_header(
         "saved_at": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
         "bad_samples": [[r, s, m, p, n, list(f)] for r, s, m, p, n, f in bad_samples],
         "builtin_modules": None if builtin_modules is None else sorted(builtin_modules),
+        "untraced_modules": None if untraced_modules is None else sorted(untraced_modules),
     }
 
 

@@ -55,6 +55,7 @@ def save_view(view: RunView, path: str | os.PathLike[str], *, recording: bool) -
         run_id=m.run_id,
         bad_samples=m.bad_samples,
         builtin_modules=m.builtin_modules,
+        untraced_modules=m.untraced_modules,
     )
     return write_trace(target, records, view.steps, view.ops, head)
 

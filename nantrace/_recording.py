@@ -121,6 +121,9 @@ class Recording:
         keep = compile_filter(options.modules)
         named = module_names(model)
         self.selected = [(n, m) for n, m in named if keep(n, m)]
+        chosen = {n for n, _ in self.selected}
+        # what a modules= filter left out: the explanations say so, live and loaded
+        self.untraced_modules = frozenset(n for n, _ in named[1:] if n not in chosen)
         if options.modules is not None and not self.selected:
             raise ValueError(
                 f"modules={options.modules!r} matched no module of {type(model).__name__}; "
@@ -341,6 +344,7 @@ class Recording:
             run_id=self.run_id,
             bad_samples=self.samples.rows,
             builtin_modules=self.builtin_modules,
+            untraced_modules=self.untraced_modules,
         )
         return {MAGIC: footer(head, steps, ops)}
 

@@ -42,6 +42,8 @@ class RunMeta:
         builtin_modules: the traced modules that run torch's own ``forward`` (``nn.Linear``, not a hand-written
             class that shares a torch name such as ``RMSNorm``), recorded while the model lived; None when not
             known (a file written before it was recorded).
+        untraced_modules: the modules of the model that a ``modules=`` filter left untraced (empty without a
+            filter); None when not known.
     """
 
     model_class: str
@@ -53,6 +55,14 @@ class RunMeta:
     ranks: tuple[int, ...]
     bad_samples: tuple[tuple[int, int, int, str, int, tuple[int, ...]], ...] = ()
     builtin_modules: frozenset[str] | None = None
+    untraced_modules: frozenset[str] | None = None
+
+    def hides_submodules_of(self, name: str) -> bool | None:
+        """True when a ``modules=`` filter left a submodule of ``name`` untraced (None: not known)."""
+        if self.untraced_modules is None:
+            return None
+        prefix = f"{name}." if name else ""
+        return any(n.startswith(prefix) and n != name for n in self.untraced_modules)
 
 
 class LiveModel:
@@ -152,6 +162,7 @@ def view_of(rec: Recording, records: pd.DataFrame | None = None) -> RunView:
         ranks=(rec.rank,),
         bad_samples=tuple(rec.samples.rows),
         builtin_modules=rec.builtin_modules,
+        untraced_modules=rec.untraced_modules,
     )
     rows = rec.store.records() if records is None else records
     return RunView(rows, rec.store.steps(), rec.store.ops_frame(), meta, live, rec.capture)
@@ -183,5 +194,8 @@ def loaded_view(
         builtin_modules=None
         if header.get("builtin_modules") is None
         else frozenset(header["builtin_modules"]),
+        untraced_modules=None
+        if header.get("untraced_modules") is None
+        else frozenset(header["untraced_modules"]),
     )
     return RunView(records, steps, ops, meta)

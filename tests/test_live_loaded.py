@@ -106,3 +106,32 @@ def test_which_modules_run_torchs_own_forward_is_saved(tmp_path: Path) -> None:
         model(torch.ones(1, 2))
     back = nantrace.load(tr.save(tmp_path / "t.nantrace"))
     assert back.header["builtin_modules"] == ["", "0"]  # the Sequential root and the Linear; not `1`
+
+
+class Block(nn.Module):
+    """``inner``, a Linear(2→2) with weights 1000, of an input 100: 2e5, past float16's 65504."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(2, 2, bias=False)
+        with torch.no_grad():
+            self.inner.weight.fill_(1000.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_what_a_modules_filter_left_out_is_saved(tmp_path: Path) -> None:
+    model = nn.Sequential(Block()).half()
+    with nantrace.trace(model, modules=["0"]) as tr:
+        model(torch.full((1, 2), 100.0, dtype=torch.float16))
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.module, ov.tensor, ov.kind) == ("0", "output", "inf")
+    note = (
+        " (Only the modules matching modules=['0'] were traced: an untraced submodule inside the reported one "
+        "may be the real producer.)"
+    )
+    assert str(ov).endswith(note)
+    back = nantrace.load(tr.save(tmp_path / "t.nantrace"))
+    assert back.header["untraced_modules"] == ["0.inner"]
+    assert str(back.first_overflow()) == str(ov)
