@@ -19,7 +19,9 @@ from inf, never the reverse):
 5. ``backward``: the first non-finite gradient. One gradient value can be seen by several hooks (the output of
    one module is the input of the next; rows sharing an ``event``); it is attributed to the module whose
    backward computed it: a parameter's owner, else the module it is ``grad_input`` of (the innermost), else
-   the enclosing module whose own code consumed that output.
+   the enclosing module whose own code consumed that output (code of its ``forward`` that runs in backward, such
+   as a custom ``autograd.Function``); ``tensor`` then names the gradient that code made by the child's path,
+   ``a.grad_output[0]``, since the enclosing module's own ``grad_output`` can be finite.
 6. ``optimizer``: the first parameter that ``optimizer.step()`` made non-finite; ``module`` is its owner.
 
 One locator for one rank and for many
@@ -223,10 +225,18 @@ def producer(step_df: pd.DataFrame, row: pd.Series) -> tuple[str, str, int, str]
             return str(r["module"]), str(r["module_type"]), int(r["call"]), str(r["tensor"])
         first = owners.iloc[0] if len(owners) else row
         p = first["parent"]
-        if isinstance(p, str):
+        if isinstance(p, str):  # the enclosing module's own code made it in backward (rule 5)
             pcall = call_of(step_df, p, int(first["micro_step"]), int(first["seq"]))
-            return p, _type_of(step_df, p), pcall, str(first["tensor"])
+            return p, _type_of(step_df, p), pcall, _child_path(p, str(first["module"]), str(first["tensor"]))
     return module, mtype, call, tensor
+
+
+def _child_path(parent: str, child: str, tensor: str) -> str:
+    """The gradient that an enclosing module's own code made in backward, named as its child's tensor
+    (``a.grad_output[0]``: the ``grad_output`` of child ``a``), not as the enclosing module's own
+    ``grad_output``, which can be finite."""
+    rel = child[len(parent) + 1 :] if parent and child.startswith(parent + ".") else child
+    return f"{rel}.{tensor}" if rel else tensor
 
 
 def overflow_fields(row: pd.Series, raw_kind: str, who: tuple[str, str, int, str]) -> dict[str, Any]:
