@@ -362,17 +362,46 @@ class Recorder:
         versions: tuple[int, ...],
         mcode: int,
         call: int,
-    ) -> None:
+        where: tuple[str, int, int] | None = None,
+    ) -> bool:
         """Replay the call (:meth:`replay`) when its output holds a kind first seen in the micro-step, or when a
         kind first appeared at one of its children's inputs (its own code made it), and its inputs were not
-        modified in place by the call."""
+        modified in place by the call. True when it replayed. ``where`` = ``(input phase, module type code,
+        parent code)``: on a light step the replayed call's inputs then get rows (:meth:`light_inputs`)."""
         own = (mcode, call) in self.own_code
         new_kind = bool(out_kinds) and not (out_kinds or frozenset()) <= self.seen_kinds
         if in_kinds is None or not self.drill or not (new_kind or own):
-            return
+            return False
         now = tuple(_version(t) for _, t in [*flatten(args, "i"), *flatten(kwargs, "i")])
-        if now == versions:  # inputs not modified in place by the call: a faithful replay
-            self.replay(module, args, kwargs, in_kinds, mcode, call)
+        if now != versions:  # inputs modified in place by the call: a replay would not be faithful
+            return False
+        self.replay(module, args, kwargs, in_kinds, mcode, call)
+        if self.light and where is not None and where[0] in self.phases:
+            items = [*flatten(args, "input"), *flatten(kwargs, "input")]
+            self.light_inputs(where[0], mcode, where[1], call, items, where[2], positional_names(module))
+        return True
+
+    def light_inputs(
+        self,
+        phase: str,
+        mcode: int,
+        tcode: int,
+        call: int,
+        items: list[tuple[str, Any]],
+        parent: int,
+        names: Any,
+    ) -> None:
+        """On a light step (``every > 1``), the rows of a drilled call's inputs, clean ones too, so the producing
+        call is described as on a full step (its input absmax). Only called when the inputs were not modified in
+        place by the call (the drill checked their versions)."""
+        self.light = False
+        try:
+            for path, t in items:
+                self.add(
+                    phase, mcode, tcode, call, path, t, is_grad=False, parent=parent, arg=_arg(path, names)
+                )
+        finally:
+            self.light = True
 
     # ------------------------------------------------------------ hook factories
     def grad_hook(
@@ -512,7 +541,8 @@ class Recorder:
                     self.last_kinds = frozenset()
                     self.add("forward", mcode, tcode, call, path, t, is_grad=False, parent=parent)
                     out_kinds = _union(out_kinds, self.last_kinds)
-                self.maybe_drill(module, args, kwargs, out_kinds, in_kinds, versions, mcode, call)
+                where = ("data" if is_root else "forward", tcode, parent)
+                self.maybe_drill(module, args, kwargs, out_kinds, in_kinds, versions, mcode, call, where)
                 if out_kinds:
                     self.seen_kinds |= out_kinds
             phase = "loss" if is_root and self.root_depth == 0 else "backward"

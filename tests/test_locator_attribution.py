@@ -75,3 +75,48 @@ def test_custom_function_in_a_submodules_forward_names_its_childs_gradient() -> 
     ov = _one_step(Outer().half()).first_overflow()
     assert _where(ov) == (0, 0, "backward", "enc", 0, "a.grad_output[0]", "nan")
     assert ov is not None and ov.module_type == "Pair"
+
+
+class Scores(nn.Module):
+    """Hand-written attention scores and softmax: ``q @ kᵀ`` of entries 300·8·0.125 = 300 over 8 dims gives
+    8·300² = 720000 > 65504, +inf inside the call; the softmax turns it into NaN (inf − inf) at the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8, bias=False)
+        self.k = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.q(x) @ self.k(x).transpose(-1, -2)
+        a = a - a.amax(-1, keepdim=True)
+        return a.exp() / a.exp().sum(-1, keepdim=True)
+
+
+def _scores_run(every: int) -> nantrace.Trace:
+    m = Scores().half()
+    with torch.no_grad():
+        m.q.weight.fill_(0.125)
+        m.k.weight.fill_(0.125)
+    with nantrace.trace(m, every=every) as tr:
+        for value in (1.0, 300.0):  # step 0 clean, step 1 overflows (a light step when every=2)
+            m(torch.full((1, 3, 8), value, dtype=torch.float16))
+    return tr
+
+
+def test_light_step_names_the_op_and_its_inputs_as_a_full_step_does() -> None:
+    full, light = _scores_run(1), _scores_run(2)
+    ov_full, ov_light = full.first_overflow(), light.first_overflow()
+    assert _where(ov_light) == (1, 0, "forward", "", 0, "output", "inf")
+    assert _where(ov_light) == _where(ov_full)
+    assert light.ops[["step", "module", "call", "op", "kind"]].values.tolist() == [
+        [1, "", 0, "matmul", "posinf"]
+    ]
+    # the light step kept the producing call's (clean) input row, so the words are those of the full step
+    rec = light.records
+    ins = rec[(rec["step"] == 1) & (rec["tensor"] == "input[0]")]
+    assert ins[["phase", "module", "absmax", "n_posinf"]].values.tolist() == [["data", "", 300.0, 0]]
+    assert (
+        "produced +inf in `matmul` inside its forward (float16), from finite inputs (input absmax 300)"
+        in str(ov_light)
+    )
+    assert str(ov_light) == str(ov_full)
