@@ -367,7 +367,7 @@ class Recorder:
         """Replay the call (:meth:`replay`) when its output holds a kind first seen in the micro-step, or when a
         kind first appeared at one of its children's inputs (its own code made it), and its inputs were not
         modified in place by the call. True when it replayed. ``where`` = ``(input phase, module type code,
-        parent code)``: on a light step the replayed call's inputs then get rows (:meth:`light_inputs`)."""
+        parent code)``: on a light step the replayed call's inputs then get rows (:func:`_light_inputs`)."""
         own = (mcode, call) in self.own_code
         new_kind = bool(out_kinds) and not (out_kinds or frozenset()) <= self.seen_kinds
         if in_kinds is None or not self.drill or not (new_kind or own):
@@ -378,30 +378,8 @@ class Recorder:
         self.replay(module, args, kwargs, in_kinds, mcode, call)
         if self.light and where is not None and where[0] in self.phases:
             items = [*flatten(args, "input"), *flatten(kwargs, "input")]
-            self.light_inputs(where[0], mcode, where[1], call, items, where[2], positional_names(module))
+            _light_inputs(self, where[0], mcode, where[1], call, items, where[2], positional_names(module))
         return True
-
-    def light_inputs(
-        self,
-        phase: str,
-        mcode: int,
-        tcode: int,
-        call: int,
-        items: list[tuple[str, Any]],
-        parent: int,
-        names: Any,
-    ) -> None:
-        """On a light step (``every > 1``), the rows of a drilled call's inputs, clean ones too, so the producing
-        call is described as on a full step (its input absmax). Only called when the inputs were not modified in
-        place by the call (the drill checked their versions)."""
-        self.light = False
-        try:
-            for path, t in items:
-                self.add(
-                    phase, mcode, tcode, call, path, t, is_grad=False, parent=parent, arg=_arg(path, names)
-                )
-        finally:
-            self.light = True
 
     # ------------------------------------------------------------ hook factories
     def grad_hook(
@@ -549,6 +527,27 @@ class Recorder:
             self.watch_grads(phase, mcode, tcode, call, items, "grad_output", parent)
 
         return eager(pre), eager(post)
+
+
+def _light_inputs(
+    rec: Recorder,
+    phase: str,
+    mcode: int,
+    tcode: int,
+    call: int,
+    items: list[tuple[str, Any]],
+    parent: int,
+    names: Any,
+) -> None:
+    """On a light step (``every > 1``), the rows of a drilled call's inputs, clean ones too, so the producing
+    call is described as on a full step (its input absmax). Only called when the inputs were not modified in
+    place by the call (the drill checked their versions)."""
+    rec.light = False
+    try:
+        for path, t in items:
+            rec.add(phase, mcode, tcode, call, path, t, is_grad=False, parent=parent, arg=_arg(path, names))
+    finally:
+        rec.light = True
 
 
 def _union(a: frozenset[str] | None, b: frozenset[str] | None) -> frozenset[str] | None:

@@ -27,7 +27,14 @@ def test_every_n_records_full_steps_and_only_nonfinite_rows_between() -> None:
     per_step = rec.groupby("step", observed=True).size().to_dict()
     full = per_step[0]
     assert full == 8  # data input, 3 modules × (input, output), root output
-    assert per_step == {0: full, 3: full, 4: 2, 6: full}  # step 4: m[2].output and root output hold inf
+    # step 4: m[2].output and root output hold inf, and the drilled m[2]'s (clean) input is kept (issue 18.6)
+    assert per_step == {0: full, 3: full, 4: 3, 6: full}
+    light = rec[rec["step"] == 4]
+    assert light[["module", "tensor", "n_posinf"]].values.tolist() == [
+        ["2", "output", 1],
+        ["2", "input[0]", 0],
+        ["", "output", 1],
+    ]
     assert sorted(tr.steps["step"].tolist()) == list(range(7))
     ov = tr.first_overflow()
     assert ov is not None and (ov.step, ov.phase, ov.module, ov.kind) == (4, "forward", "2", "inf")
