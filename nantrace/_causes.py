@@ -24,6 +24,7 @@ __all__ = [
     "compute_dtype",
     "data",
     "divergence_diagnosis",
+    "empty_reduction",
     "forward_overflow",
     "input_beyond_range",
     "invalid_op",
@@ -413,10 +414,48 @@ def _invalid_backward(run: Facts, ev: Overflow) -> Diagnosis:
     return Diagnosis("invalid_op", ev, evidence, advice, summary)
 
 
+def empty_reduction(run: Facts, ev: Overflow) -> int | None:
+    """A NaN loss whose gradient arriving at the model's outputs was recorded finite and exactly 0 in every
+    element: no output element contributed to the loss, so it is a mean over zero elements (0/0; every label
+    ``ignore_index``, an empty mask). Returns the number of output elements, else ``None``."""
+    if ev.kind != "nan" or not ev.tensor.startswith("loss"):
+        return None
+    g = run.rows_of(ev.step, "loss", prefix="grad_output")
+    g = g[g["micro_step"].to_numpy() == ev.micro_step]
+    if not len(g):
+        return None
+    numel = int(g["numel"].sum())
+    bad = int(g[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum())
+    return numel if numel > 0 and bad == 0 and int(g["n_zero"].sum()) == numel else None
+
+
+def _loss_gradient_advice(run: Facts, ev: Overflow, lv: float) -> str:
+    """Advice for a finite loss whose gradient at the model's outputs was not (or a loss not recorded)."""
+    dtype = str(ev.dtype)
+    scale = run.scale.get(ev.step, math.nan)
+    if math.isnan(lv):
+        head = (
+            f"The loss of step {ev.step} was not recorded (pass it through `scaler.scale(loss)` or "
+            "`tr.step(loss=loss)`), but the gradient it sent back was not finite"
+        )
+    else:
+        head = f"The loss was finite ({num(lv)}) but its gradient at the model's outputs was not"
+    if ev.kind == "nan":
+        return (
+            f"{head}: an op in the loss has an infinite or undefined derivative at the values it saw (sqrt or "
+            "log at 0, x/0); clamp its argument away from that point."
+        )
+    scaled = f" times the loss scale {num(scale)}" if not math.isnan(scale) else ""
+    return (
+        f"{head}: a gradient{scaled} beyond {dtype}'s {num(dtype_max(dtype))} (e.g. from a `sum()` over many "
+        f"elements); use `mean()` or cast the outputs to float32 before the loss."
+    )
+
+
 def loss(run: Facts, ev: Overflow) -> Diagnosis:
     outs = run.rows_of(ev.step, "forward", module="", prefix="output")
     loss_rows = run.rows_of(ev.step, "loss", prefix="loss")
-    loss_dtype = str(loss_rows["dtype"].iloc[0]) if len(loss_rows) else str(ev.dtype)
+    loss_dtype = str(loss_rows["dtype"].iloc[0]) if len(loss_rows) else "not recorded"
     which = "the loss" if ev.tensor.startswith("loss") else "the gradient arriving at the model's outputs"
     lv = run.loss.get(ev.step, math.nan)
     seen = (
@@ -425,31 +464,55 @@ def loss(run: Facts, ev: Overflow) -> Diagnosis:
         else "were not recorded (no traced forward in this step)"
     )
     evidence = [f"the model's outputs at step {ev.step} {seen} but {which} was {ev.kind} ({ev.dtype})"]
-    if not math.isnan(lv) and not ev.tensor.startswith("loss"):
-        evidence.append(f"loss value at step {ev.step}: {num(lv)} ({loss_dtype})")
-    bad = [e.step for e in run.events if e.phase == "loss"]
+    if not ev.tensor.startswith("loss"):
+        value = f"{num(lv)} ({loss_dtype})" if not math.isnan(lv) else "not recorded"
+        evidence.append(f"loss value at step {ev.step}: {value}")
+    bad = run.loss_nonfinite_steps()
     if len(bad) > 1:
         evidence.append(f"the loss was non-finite at steps {steps_text(bad)}")
+    bad_grad = [e.step for e in run.events if e.phase == "loss" and not e.tensor.startswith("loss")]
+    if len(bad_grad) > 1:
+        evidence.append(
+            f"the gradient arriving at the model's outputs was non-finite at steps {steps_text(bad_grad)}"
+        )
+    empty = empty_reduction(run, ev)
+    if empty is not None:
+        evidence.append(
+            f"the gradient arriving at the model's outputs was exactly 0 in all {empty} elements while the loss "
+            "was NaN: no output element contributed to the loss, so it was a mean over zero elements (0/0)"
+        )
     skips = skips_text(run)
     if skips:
         evidence.append(
             skips + " — a symptom: the scale falls because the loss itself is non-finite, not the gradients"
         )
-    advice = [
-        "Compute the loss in float32 from the model's outputs: `F.cross_entropy(logits.float(), target)`, or "
-        "`-F.log_softmax(logits.float(), -1).gather(-1, target[:, None])` instead of `-log(softmax(...))`, whose "
-        f"probability underflows to 0 in {loss_dtype} (log(0) = -inf).",
-    ]
-    if ev.tensor.startswith("loss"):
-        advice.append("Check the targets and any log/division in the loss for zeros (clamp with an eps).")
-    else:
+    advice: list[str] = []
+    out_dtypes = [d for d in outs["dtype"].astype(str).unique().tolist() if d in ("float16", "bfloat16")]
+    half_outputs = bool(out_dtypes)
+    if empty is not None:
         advice.append(
-            "The loss was finite but its gradient was not: a reduction such as `sum()` times the loss scale can "
-            "exceed 65504 in float16; use `mean()` or cast the outputs to float32 before the loss."
+            f"Guard the reduction of the batch of step {ev.step}, which selected nothing (every label equal to "
+            "`ignore_index`, an empty mask): skip the batch when `(target != ignore_index).sum() == 0`, or divide "
+            "by `count.clamp_min(1)` (`(per_element * mask).sum() / mask.sum().clamp_min(1)`)."
+            + (
+                " The loss already is float32: a wider dtype does not help."
+                if loss_dtype == "float32"
+                else ""
+            )
         )
+    elif loss_dtype in ("float16", "bfloat16") or (half_outputs and ev.kind == "inf"):
+        advice.append(
+            "Compute the loss in float32 from the model's outputs: `F.cross_entropy(logits.float(), target)`, or "
+            "`-F.log_softmax(logits.float(), -1).gather(-1, target[:, None])` instead of `-log(softmax(...))`, "
+            f"whose probability underflows to 0 in {out_dtypes[0] if out_dtypes else ev.dtype} (log(0) = -inf)."
+        )
+    if ev.tensor.startswith("loss") and empty is None:
+        advice.append("Check the targets and any log/division in the loss for zeros (clamp with an eps).")
+    elif not ev.tensor.startswith("loss"):
+        advice.append(_loss_gradient_advice(run, ev, lv))
     summary = (
         f"The model's outputs were {'finite' if len(outs) else 'not recorded'} but {which} was non-finite at "
-        f"step {ev.step}."
+        f"step {ev.step}" + (": a mean over zero elements." if empty is not None else ".")
     )
     return Diagnosis("loss", ev, evidence, advice, summary)
 
@@ -512,10 +575,12 @@ def optimizer(run: Facts, ev: Overflow) -> Diagnosis:
     if len(before):
         evidence.append(f"its parameters' absmax after step {ev.step - 1}: {num(finite_absmax(before))}")
     if not math.isnan(gmax) and gmax > 0 and dtype == "float16":
-        evidence.append(
-            f"in float16, grad² = {num(gmax * gmax)} (below {num(FP16_SMALLEST_SUBNORMAL)} rounds to 0) and "
-            "eps=1e-8 rounds to 0: Adam's step m / (sqrt(v) + eps) is 0/0 or x/0"
-        )
+        mins = grads["absmin"].to_numpy(dtype=np.float64)
+        mins = mins[np.isfinite(mins) & (mins > 0)]
+        gmin = float(mins.min()) if mins.size else math.nan
+        if not math.isnan(scale) and scale > 0:
+            gmin /= scale
+        evidence.append("Adam's default eps=1e-8 rounds to 0 in float16; " + _adam_square_text(gmax, gmin))
     lr = run.lr.get(ev.step, math.nan)
     if not math.isnan(lr):
         evidence.append(f"learning rate {num(lr)}")
@@ -533,6 +598,45 @@ def optimizer(run: Facts, ev: Overflow) -> Diagnosis:
     return Diagnosis("optimizer", ev, evidence, advice, summary)
 
 
+def _adam_square_text(gmax: float, gmin: float) -> str:
+    """What float16 does to Adam's grad² (its second moment) at the largest and smallest non-zero |grad|."""
+    tiny = FP16_SMALLEST_SUBNORMAL
+    if gmax * gmax < tiny:
+        return (
+            f"in float16 even the largest grad² ({num(gmax)}² = {num(gmax * gmax)}) is below {num(tiny)} and rounds to "
+            "0: Adam's step m / (sqrt(v) + eps) is 0/0 or x/0"
+        )
+    if not math.isnan(gmin) and gmin > 0 and gmin * gmin < tiny:
+        return (
+            f"in float16 grad² ranges {num(gmin * gmin)}–{num(gmax * gmax)}: the smallest ({num(gmin)}² below "
+            f"{num(tiny)}) rounds to 0, so sqrt(v) + eps is 0 where the gradient was small and m / 0 is inf"
+        )
+    return f"in float16 grad² ranges {num(gmin * gmin)}–{num(gmax * gmax)} (every value above {num(tiny)})"
+
+
+def _lr_advice(div: DivergenceFacts) -> str:
+    """Lower the learning rate, with the ratio it gave; a warmup only when the recorded lr did not already rise."""
+    ratio = ""
+    target = math.nan
+    if not math.isnan(div.ratio) and div.ratio > 0:
+        ratio = f" (the update ratio was {num(div.ratio)}; healthy is about {HEALTHY_UPDATE_RATIO:g})"
+        target = div.lr * HEALTHY_UPDATE_RATIO / div.ratio
+    if math.isnan(div.lr):
+        text = f"Lower the learning rate (healthy update-to-weight ratio is about {HEALTHY_UPDATE_RATIO:g})"
+    else:
+        text = f"Lower the learning rate from {num(div.lr)}{ratio}" + (
+            f"; about {num(target)} would give a healthy ratio" if not math.isnan(target) else ""
+        )
+    if div.warmup is not None:
+        a, lr_a, b, lr_b = div.warmup
+        return (
+            text
+            + f". The loop already warms up (lr {num(lr_a)} at step {a} → {num(lr_b)} at step {b}), and the "
+            "run diverged during the rise: lower the peak learning rate or lengthen the warmup."
+        )
+    return text + ", and add a warmup."
+
+
 def divergence_diagnosis(run: Facts, ev: Overflow | None, div: DivergenceFacts) -> Diagnosis:
     evidence = list(div.evidence)
     if ev is not None:
@@ -544,35 +648,21 @@ def divergence_diagnosis(run: Facts, ev: Overflow | None, div: DivergenceFacts) 
     skips = skips_text(run)
     if skips:
         evidence.append(skips)
-    advice = []
-    if not math.isnan(div.lr):
-        target = (
-            div.lr * HEALTHY_UPDATE_RATIO / div.ratio
-            if not math.isnan(div.ratio) and div.ratio > 0
-            else math.nan
-        )
-        ratio = f" (the update ratio was {num(div.ratio)}; healthy is about {HEALTHY_UPDATE_RATIO:g})"
-        if math.isnan(div.ratio):
-            ratio = ""
-        advice.append(
-            f"Lower the learning rate from {num(div.lr)}{ratio}"
-            + (f"; about {num(target)} would give a healthy ratio" if not math.isnan(target) else "")
-            + ", and add a warmup."
-        )
-    else:
-        advice.append(
-            f"Lower the learning rate (healthy update-to-weight ratio is about {HEALTHY_UPDATE_RATIO:g}) and add "
-            "a warmup."
-        )
+    advice = [_lr_advice(div)]
     advice.append(
         "Clip gradients: `scaler.unscale_(optimizer)` then `torch.nn.utils.clip_grad_norm_(model.parameters(), "
         "1.0)` before `scaler.step(optimizer)` (without a scaler, just before `optimizer.step()`)."
     )
-    advice.append(
-        "Keeping a layer in float32 only postpones the overflow: the weights themselves are growing every step."
+    grows = (
+        "the weights themselves grow step after step"
+        if div.weights_steady
+        else "each update changes the weights too much for the activations to stay in range"
     )
+    advice.append(f"Keeping a layer in float32 only postpones the overflow: {grows}.")
     if ev is None:
-        summary = "Activations, loss and weights grow step over step: the run is diverging (no overflow yet)."
+        summary = (
+            f"{div.grew.capitalize()}: the run is diverging (no overflow yet); the learning rate is too high."
+        )
     else:
         where = {"forward": "the forward of", "backward": "the backward of", "optimizer": "the update of"}
         what = (
@@ -581,8 +671,8 @@ def divergence_diagnosis(run: Facts, ev: Overflow | None, div: DivergenceFacts) 
             else f"{where.get(ev.phase, '')} {module_label(ev.module)}".strip()
         )
         summary = (
-            f"The run diverged: activations and weights grew step over step until {what} overflowed at step "
-            f"{ev.step}; the learning rate is too high."
+            f"The run diverged: {div.grew} until {what} overflowed at step {ev.step}; the learning rate is too "
+            "high."
         )
     return Diagnosis("divergence", ev, evidence, advice, summary)
 

@@ -79,6 +79,7 @@ Parameters are recorded only when ``optimizer=`` is given to ``nantrace.trace``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -156,13 +157,31 @@ def _judge_skip_run(run: Facts, skip_run: list[int], in_run: list[Overflow]) -> 
     nans = [e for e in in_run if e.kind == "nan"]
     if 2 * len(nans) > len(in_run):
         return c.invalid_op(run, nans[0])
-    if not collapse:
+    if not collapse and sc.loss_beyond_dtype(run, skip_run, in_run[-1]) is None:
         return None  # short and at the end of the trace: a backoff still in progress
     last = max(e.step for e in run.events if run.scale_dependent(e))
     div = divergence(run, last + 1, None)
     if div.found:
         return c.divergence_diagnosis(run, in_run[0], div)
     return sc.collapse(run, in_run[-1], skip_run)
+
+
+def _recurring_nan(run: Facts, benign: list[Overflow], ev: Overflow) -> list[Overflow]:
+    """Earlier benign NaN events of the same producer (phase, module, tensor) in other skip runs, each at a
+    loss scale no lower than ``ev``'s: the scaler lowered the scale and the same NaN came back, so a lower
+    scale does not remove it (empty when there is none)."""
+    if ev.kind != "nan":
+        return []
+    scale = run.scale.get(ev.step, math.nan)
+    first = run.skip_run(ev.step)[0]
+    return [
+        b
+        for b in benign
+        if b.kind == "nan"
+        and (b.phase, b.module, b.tensor) == (ev.phase, ev.module, ev.tensor)
+        and run.skip_run(b.step)[0] != first
+        and not scale > run.scale.get(b.step, math.nan)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- entry points
@@ -238,6 +257,9 @@ def _diagnose(view: RunView, merged: list[Overflow] | None = None) -> Diagnosis:
         verdict = judged[skip_run[0]]
         if verdict is not None:
             return verdict
+        again = _recurring_nan(run, benign, ev)
+        if again:
+            return sc.recurring(run, [*again, ev])
         benign.append(ev)
     return _without_fault(run, benign, world_size)
 

@@ -14,6 +14,9 @@ __all__ = [
     "COLLAPSE_RECURRING",
     "COLLAPSE_RUN",
     "DIVERGENCE_GROWTH",
+    "DIVERGENCE_JUMP_GRAD_NORM",
+    "DIVERGENCE_JUMP_LOSS",
+    "DIVERGENCE_JUMP_UPDATE_RATIO",
     "DIVERGENCE_LOSS_GROWTH",
     "DIVERGENCE_MIN_STEPS",
     "DIVERGENCE_RISING",
@@ -54,6 +57,13 @@ DIVERGENCE_RISING = 0.6  # fraction of step-to-step changes that must be increas
 DIVERGENCE_LOSS_GROWTH = 2.0  # loss growth over the window
 DIVERGENCE_UPDATE_RATIO = 1e-2  # median update-to-weight ratio, 10x the healthy value
 DIVERGENCE_WEIGHT_GROWTH = 2.0  # weight absmax growth over the window
+DIVERGENCE_JUMP_LOSS = (
+    5.0  # one-step loss growth that, with the grad norm's below, is divergence from 2 steps
+)
+DIVERGENCE_JUMP_GRAD_NORM = 20.0  # one-step gradient-norm growth (with the loss's above)
+DIVERGENCE_JUMP_UPDATE_RATIO = (
+    0.1  # update-to-weight ratio (100x healthy) that with growth is divergence early
+)
 QUIET_DIVERGENCE_GROWTH = 100.0  # output absmax growth for a divergence that has not overflowed yet
 QUIET_DIVERGENCE_LOSS_GROWTH = 10.0  # loss growth for a divergence that has not overflowed yet
 COLLAPSE_RUN = 8  # consecutive skipped steps (scale fell 2**8 = 256x in a row) that are not a benign backoff

@@ -15,6 +15,9 @@ from ._diagnosis import (
     COLLAPSE_RECURRING,
     COLLAPSE_RUN,
     DIVERGENCE_GROWTH,
+    DIVERGENCE_JUMP_GRAD_NORM,
+    DIVERGENCE_JUMP_LOSS,
+    DIVERGENCE_JUMP_UPDATE_RATIO,
     DIVERGENCE_LOSS_GROWTH,
     DIVERGENCE_MIN_STEPS,
     DIVERGENCE_RISING,
@@ -22,6 +25,7 @@ from ._diagnosis import (
     DIVERGENCE_WEIGHT_GROWTH,
     DIVERGENCE_WINDOW,
     HEALTHY_UPDATE_RATIO,
+    QUIET_DIVERGENCE_GROWTH,
 )
 from ._explain import overflows
 from ._fmt import module_label, num
@@ -167,6 +171,11 @@ class Facts:
         did not skip (a skipped step leaves the weights, hence the next step's activations, unchanged)."""
         ids = self.step_ids
         return {s for i, s in enumerate(ids) if i == 0 or self.skipped.get(ids[i - 1]) is not True}
+
+    def loss_nonfinite_steps(self) -> list[int]:
+        """Steps whose recorded loss value (a ``loss`` row) held inf or NaN; steps without a loss row are not
+        among them (their loss was not recorded)."""
+        return sorted(self._loss_bad)
 
     def loss_finite(self, step: int) -> bool:
         if step in self._loss_seen:
@@ -343,6 +352,87 @@ class DivergenceFacts:
     evidence: list[str]
     lr: float = math.nan
     ratio: float = math.nan
+    warmup: tuple[int, float, int, float] | None = None  # (first step, lr, last step, lr) of a rising lr
+    weights_steady: bool = False  # the weights grew at least DIVERGENCE_WEIGHT_GROWTH times, not in one jump
+    grew: str = "activations and weights grew"  # what the summary says grew
+
+
+def series_of(values: Mapping[int, float], steps: Sequence[int]) -> pd.Series:
+    """The finite, positive values of ``values`` at ``steps``, indexed by step."""
+    s = pd.Series({st: values.get(st, math.nan) for st in steps}, dtype=np.float64)
+    return s[np.isfinite(s.to_numpy()) & (s.to_numpy() > 0)]
+
+
+def largest_jump(series: pd.Series) -> tuple[float, int, int]:
+    """The largest one-step growth factor of ``series`` and the two steps it is between."""
+    v = series.to_numpy(dtype=np.float64)
+    if v.size < 2:
+        return math.nan, 0, 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        f = v[1:] / v[:-1]
+    i = int(np.nanargmax(f)) if np.isfinite(f).any() else 0
+    return float(f[i]), int(series.index[i]), int(series.index[i + 1])
+
+
+def warmup_of(run: Facts, steps: Sequence[int]) -> tuple[int, float, int, float] | None:
+    """The learning rate's recorded rise over ``steps`` (a warmup the loop already does), or ``None`` when it did
+    not rise in at least :data:`DIVERGENCE_RISING` of the step-to-step changes."""
+    lr = series_of(run.lr, steps)
+    if len(lr) < 2:
+        return None
+    v = lr.to_numpy(dtype=np.float64)
+    if not (v[-1] > v[0] and float(np.mean(np.diff(v) > 0)) >= DIVERGENCE_RISING):
+        return None
+    return int(lr.index[0]), float(v[0]), int(lr.index[-1]), float(v[-1])
+
+
+def short_divergence(run: Facts, before: int) -> DivergenceFacts | None:
+    """Divergence seen from as few as two steps (too little history for the trend rule) when a signal is
+    strong: between the last two fresh steps the loss grew at least :data:`DIVERGENCE_JUMP_LOSS` times and the
+    gradient norm at least :data:`DIVERGENCE_JUMP_GRAD_NORM` times, or the update-to-weight ratio of the last
+    step was at least :data:`DIVERGENCE_JUMP_UPDATE_RATIO` while the loss or the gradient norm grew at least
+    :data:`DIVERGENCE_GROWTH` times."""
+    steps = [s for s in run.step_ids if s < before and s in run.fresh_steps()][-DIVERGENCE_WINDOW:]
+    if len(steps) < 2:
+        return None
+    loss, gn = series_of(run.loss, steps), series_of(run.grad_norm, steps)
+    lj = loss.iloc[-1] / loss.iloc[-2] if len(loss) >= 2 else math.nan
+    gj = gn.iloc[-1] / gn.iloc[-2] if len(gn) >= 2 else math.nan
+    ratios = ratio_per_step(run.records)
+    ratios = ratios[(ratios.index >= steps[0]) & (ratios.index < before)]
+    ratio = float(ratios.iloc[-1]) if len(ratios) else math.nan
+    jump = lj >= DIVERGENCE_JUMP_LOSS and gj >= DIVERGENCE_JUMP_GRAD_NORM
+    fast = ratio >= DIVERGENCE_JUMP_UPDATE_RATIO and (lj >= DIVERGENCE_GROWTH or gj >= DIVERGENCE_GROWTH)
+    if not (jump or fast):
+        return None
+    ev: list[str] = []
+    if len(loss) >= 2:
+        ev.append(
+            f"loss {num(loss.iloc[-2])} (step {loss.index[-2]}) → {num(loss.iloc[-1])} (step {loss.index[-1]}): "
+            f"×{num(lj)} in one step"
+        )
+    if len(gn) >= 2:
+        ev.append(
+            f"gradient norm {num(gn.iloc[-2])} (step {gn.index[-2]}) → {num(gn.iloc[-1])} (step {gn.index[-1]}): "
+            f"×{num(gj)} in one step"
+        )
+    if not math.isnan(ratio):
+        ev.append(
+            f"update-to-weight ratio at step {int(ratios.index[-1])}: {num(ratio)} ({num(ratio / HEALTHY_UPDATE_RATIO)}× "
+            f"the healthy {HEALTHY_UPDATE_RATIO:g})"
+        )
+    lrs = series_of(run.lr, steps)
+    lr = float(lrs.iloc[-1]) if len(lrs) else math.nan
+    if not math.isnan(lr):
+        ev.append(f"learning rate {num(lr)} at step {int(lrs.index[-1])}")
+    grew = " and ".join(
+        w
+        for w, ok in (("the loss", len(loss) >= 2 and lj > 1), ("the gradient norm", len(gn) >= 2 and gj > 1))
+        if ok
+    )
+    return DivergenceFacts(
+        True, ev, lr, ratio, warmup_of(run, steps), grew=(grew or "the updates") + " jumped in one step"
+    )
 
 
 def divergence(
@@ -354,7 +444,7 @@ def divergence(
     loss_growth_needed: float = DIVERGENCE_LOSS_GROWTH,
     quiet: bool = False,
 ) -> DivergenceFacts:
-    """The divergence rule (module docstring) over the steps before ``before``."""
+    """The divergence rule (module docstring of :mod:`nantrace._diagnose`) over the steps before ``before``."""
     fresh = run.fresh_steps()
     act = run.output_series(module, before)
     act = act[act.index.isin(fresh)]
@@ -363,27 +453,31 @@ def divergence(
         act, who = run.output_series(None, before), "forward output"
         act = act[act.index.isin(fresh)]
     if len(act) < DIVERGENCE_MIN_STEPS:
-        return DivergenceFacts(False, [])
-    window = act.tail(DIVERGENCE_WINDOW)
-    t = trend(window)
-    if not (t.growth >= growth_needed and t.rising >= DIVERGENCE_RISING):
-        return DivergenceFacts(False, [])
+        short = None if quiet else short_divergence(run, before)
+        return short if short is not None else DivergenceFacts(False, [])
+    t = trend(act.tail(DIVERGENCE_WINDOW))
+    act_ok = t.growth >= growth_needed and t.rising >= DIVERGENCE_RISING
     steps = [s for s in run.step_ids if t.first_step <= s <= t.last_step and s in fresh]
-    loss = pd.Series({s: run.loss.get(s, math.nan) for s in steps}, dtype=np.float64)
-    loss = loss[np.isfinite(loss.to_numpy()) & (loss.to_numpy() > 0)]
+    loss = series_of(run.loss, steps)
     lt = trend(loss) if len(loss) >= DIVERGENCE_MIN_STEPS else None
     ratios = ratio_per_step(run.records)
     ratios = ratios[(ratios.index >= t.first_step) & (ratios.index <= t.last_step)]
     ratio = float(ratios.median()) if len(ratios) else math.nan
     wt = trend(run.weight_series(before).loc[t.first_step : t.last_step])
     has_params = wt.n >= 2 or len(ratios) > 0
-    params_ok = (not math.isnan(ratio) and ratio >= DIVERGENCE_UPDATE_RATIO) or (
-        wt.n >= 2 and wt.growth >= DIVERGENCE_WEIGHT_GROWTH
-    )
+    fast = not math.isnan(ratio) and ratio >= DIVERGENCE_UPDATE_RATIO
+    params_ok = fast or (wt.n >= 2 and wt.growth >= DIVERGENCE_WEIGHT_GROWTH)
     loss_ok = lt is not None and lt.growth >= loss_growth_needed and lt.rising >= 0.5
+    # the loss alone, far beyond the quiet threshold, with fast updates (a norm before the output hides the
+    # activations' growth from the outputs recorded)
+    loss_led = quiet and fast and lt is not None and lt.growth >= QUIET_DIVERGENCE_GROWTH and lt.rising >= 0.5
+    # activations far beyond the trend threshold with fast updates while the loss has not risen yet
+    act_led = not quiet and fast and t.growth >= QUIET_DIVERGENCE_GROWTH and t.rising >= DIVERGENCE_RISING
+    if not (act_ok or loss_led):
+        return DivergenceFacts(False, [])
     if lt is None and not has_params:
         return DivergenceFacts(False, [])
-    if lt is not None and not loss_ok:
+    if lt is not None and not loss_ok and not act_led:
         return DivergenceFacts(False, [])
     if has_params and not params_ok:
         return DivergenceFacts(False, [])
@@ -392,22 +486,47 @@ def divergence(
     ev = [
         f"{who} absmax grew {num(t.first)} → {num(t.last)} (×{num(t.growth)}) over steps "
         f"{t.first_step}–{t.last_step}, rising in {t.rising:.0%} of the steps"
+        if act_ok
+        else f"{who} absmax went {num(t.first)} → {num(t.last)} (×{num(t.growth)}) over steps "
+        f"{t.first_step}–{t.last_step}: the recorded activations did not grow with the loss"
     ]
     if lt is not None:
-        ev.append(f"loss rose {num(lt.first)} → {num(lt.last)} (×{num(lt.growth)}) over the same steps")
+        verb = "rose" if lt.last > lt.first else "went"
+        ev.append(
+            f"loss {verb} {num(lt.first)} (step {lt.first_step}) → {num(lt.last)} (step {lt.last_step}) "
+            f"(×{num(lt.growth)})"
+            + ("" if loss_ok else ": it had not risen yet, the growth is in the activations")
+        )
     if not math.isnan(ratio):
         ev.append(
             f"update-to-weight ratio (change of a parameter's absmax per step) was {num(ratio)} (median), "
-            f"healthy is about {HEALTHY_UPDATE_RATIO:g}"
+            f"{num(ratio / HEALTHY_UPDATE_RATIO)}× the healthy {HEALTHY_UPDATE_RATIO:g}"
         )
+    steady = wt.n >= 2 and wt.growth >= DIVERGENCE_WEIGHT_GROWTH
     if wt.n >= 2:
-        ev.append(f"weight absmax grew {num(wt.first)} → {num(wt.last)} (×{num(wt.growth)})")
-    lrs = [run.lr.get(s, math.nan) for s in steps]
-    lrs = [v for v in lrs if not math.isnan(v)]
-    lr = lrs[-1] if lrs else math.nan
+        ws = run.weight_series(before).loc[t.first_step : t.last_step]
+        jump, a, b = largest_jump(ws)
+        shape = ""
+        if steady and jump * jump >= wt.growth:  # one step holds at least half of the growth (in log terms)
+            steady = False
+            shape = f", most of it in one jump ×{num(jump)} from step {a} to step {b}"
+        elif steady:
+            shape = f", rising in {wt.rising:.0%} of the steps"
+        ev.append(
+            f"weight absmax went {num(wt.first)} (step {wt.first_step}) → {num(wt.last)} (step {wt.last_step}) "
+            f"(×{num(wt.growth)}){shape}"
+        )
+    lrs = series_of(run.lr, steps)
+    lr = float(lrs.iloc[-1]) if len(lrs) else math.nan
     if not math.isnan(lr):
         ev.append(f"learning rate {num(lr)}" + grad_norm_text(run.grad_norm, steps))
-    return DivergenceFacts(True, ev, lr, ratio)
+    if quiet:
+        grew = "the loss and the weights grow fast"
+    elif loss_ok or lt is None:
+        grew = "activations and weights grew"
+    else:
+        grew = "activations grew with fast updates while the loss had not risen yet"
+    return DivergenceFacts(True, ev, lr, ratio, warmup_of(run, steps), steady, grew)
 
 
 def grad_norm_text(grad_norm: Mapping[int, float], steps: Sequence[int]) -> str:

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 
-from ._causes import bf16_advice, compute_dtype, producer_text, skips_text
+from ._causes import bf16_advice, compute_dtype, invalid_op, producer_text, skips_text
 from ._diagnosis import (
     UNDERFLOW_FRACTION,
     UNDERFLOW_SMALL_ABSMAX,
@@ -22,7 +22,33 @@ from ._overflow import Overflow
 from ._ranges import finite_absmax, headroom_table
 from ._schema import FP16_MAX, FP16_SMALLEST_NORMAL, dtype_max
 
-__all__ = ["backoff", "collapse", "healthy", "outside", "received", "reduction_made", "underflow"]
+__all__ = [
+    "backoff",
+    "collapse",
+    "healthy",
+    "loss_beyond_dtype",
+    "outside",
+    "received",
+    "recurring",
+    "reduction_made",
+    "underflow",
+]
+
+
+def loss_beyond_dtype(run: Facts, skip_run: list[int], ev: Overflow) -> tuple[float, str] | None:
+    """For a run of skips that starts at the first traced step (no step of the trace trained): the largest
+    finite loss of those steps and the dtype the event was computed in, when that loss is itself beyond the
+    dtype's largest finite value (the scaler would have to fall below 1 before gradients of that size fit);
+    else ``None``."""
+    if not run.step_ids or skip_run[0] != run.step_ids[0]:
+        return None
+    values = [run.loss.get(s, math.nan) for s in skip_run]
+    finite = [abs(v) for v in values if math.isfinite(v)]
+    dtype = compute_dtype(run, ev)
+    limit = dtype_max(dtype)
+    if not finite or math.isnan(limit) or max(finite) <= limit:
+        return None
+    return max(finite), dtype
 
 
 def collapse(run: Facts, ev: Overflow | None, skip_run: list[int]) -> Diagnosis:
@@ -76,6 +102,19 @@ def collapse(run: Facts, ev: Overflow | None, skip_run: list[int]) -> Diagnosis:
                 f"{module_label(ev.module)} in float32 (autocast disabled around it), and check its weights{wtext} and "
                 "the loss magnitude."
             )
+    big = loss_beyond_dtype(run, skip_run, ev) if ev is not None else None
+    if big is not None:
+        lv, dtype = big
+        evidence.append(
+            f"no traced step trained: the GradScaler skipped every one from step {skip_run[0]} on, and the loss "
+            f"itself was {num(lv)}, beyond {dtype}'s largest value {num(dtype_max(dtype))} (×{num(lv / dtype_max(dtype))}) "
+            "before any scaling"
+        )
+        advice.insert(
+            0,
+            f"Make the loss smaller ({num(lv)}, beyond {dtype}'s {num(dtype_max(dtype))} before any scaling): a mean "
+            "instead of a sum, normalised targets, or divide it by a constant.",
+        )
     advice.append(bf16_advice())
     advice.append(
         "Clip gradients after `scaler.unscale_(optimizer)`; if the scale falls below 1, the gradients are too "
@@ -86,6 +125,25 @@ def collapse(run: Facts, ev: Overflow | None, skip_run: list[int]) -> Diagnosis:
         "gradients overflow at every scale tried."
     )
     return Diagnosis("loss_scale_collapse", ev, evidence, advice, summary)
+
+
+def recurring(run: Facts, events: list[Overflow]) -> Diagnosis:
+    """The same NaN producer in separate skip runs, each time at a loss scale no higher than before: a real
+    invalid operation that recurs (e.g. every batch of one kind), not a backoff."""
+    ev = events[0]
+    key = (ev.phase, ev.module, ev.tensor)
+    later = [e for e in run.events if e.kind == "nan" and (e.phase, e.module, e.tensor) == key]
+    events = sorted({e.step: e for e in [*events, *later]}.values(), key=lambda e: e.step)
+    d = invalid_op(run, ev)
+    scales = ", ".join(num(run.scale.get(e.step, math.nan)) for e in events)
+    steps = steps_text([e.step for e in events])
+    d.evidence.append(
+        f"the same NaN in `{ev.tensor}` of {module_label(ev.module)} came back at steps {steps}, in separate runs of "
+        f"skipped steps, at loss scale {scales}: a lower scale did not remove it, so it is not an overflow the "
+        "GradScaler absorbs"
+    )
+    d.summary = f"{d.summary} It came back at steps {steps} at a lower loss scale: not a benign backoff."
+    return d
 
 
 def backoff(run: Facts, benign: list[Overflow]) -> Diagnosis:
