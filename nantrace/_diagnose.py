@@ -150,6 +150,8 @@ def _fault(run: Facts, ev: Overflow) -> Diagnosis:
 def _judge_skip_run(run: Facts, skip_run: list[int], in_run: list[Overflow]) -> Diagnosis | None:
     """A run of skipped steps whose events a lower scale could remove: ``None`` when it is a benign backoff,
     else the diagnosis (collapse, divergence, or invalid_op for NaN that persists)."""
+    if in_run and run.stale_steps(skip_run):
+        return sc.stale(run, in_run, skip_run)  # the loop keeps an old inf in .grad: never a backoff
     collapse = run.is_collapse(skip_run)
     resumed = run.resumed_after(skip_run[-1])
     if not (collapse or not resumed) or not in_run:

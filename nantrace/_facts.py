@@ -79,6 +79,7 @@ class Facts:
         self.loss: dict[int, float] = {}
         self.lr: dict[int, float] = {}
         self.grad_norm: dict[int, float] = {}
+        self.stale: dict[int, float] = {}  # parameters whose .grad held inf/NaN before the step's backward
         if len(st):
             for row in st.to_dict("records"):
                 s = int(row["step"])
@@ -89,6 +90,7 @@ class Facts:
                 self.loss[s] = as_float(row["loss"])
                 self.lr[s] = as_float(row["lr"])
                 self.grad_norm[s] = as_float(row["grad_norm"])
+                self.stale[s] = as_float(row.get("stale_grads"))
         loss_rows = (self.phase == "loss") & self.starts("loss")
         self._loss_seen = set(self.step[loss_rows].tolist())
         self._loss_bad = set(self.step[loss_rows & self.nonfinite].tolist())
@@ -120,6 +122,11 @@ class Facts:
         return any(v is not None for v in self.skipped.values()) or any(
             not math.isnan(v) for v in self.scale.values()
         )
+
+    def stale_steps(self, steps: Sequence[int]) -> list[int]:
+        """Those of ``steps`` at which some parameter's ``.grad`` already held inf/NaN before the step's backward
+        added to it (recorded per step; an old trace without the column has none)."""
+        return [s for s in steps if self.stale.get(s, math.nan) > 0]
 
     def skipped_steps(self) -> list[int]:
         return [s for s in self.step_ids if self.skipped.get(s) is True]

@@ -403,6 +403,7 @@ class Recording:
                 if p.requires_grad and "backward" in rec.phases:
                     hook = _scaler.param_hook(self, mcode, tcode, pname, index)
                     self.handles.append(p.register_post_accumulate_grad_hook(hook))
+                    self.handles.append(p.register_hook(_scaler.stale_hook(self, p, index)))
         if self.optimizer is not None:
             _scaler.attach_optimizer(self, self.optimizer)
         if self.scaler is not None:

@@ -31,6 +31,7 @@ __all__ = [
     "received",
     "recurring",
     "reduction_made",
+    "stale",
     "underflow",
 ]
 
@@ -144,6 +145,46 @@ def recurring(run: Facts, events: list[Overflow]) -> Diagnosis:
     )
     d.summary = f"{d.summary} It came back at steps {steps} at a lower loss scale: not a benign backoff."
     return d
+
+
+def stale(run: Facts, in_run: list[Overflow], skip_run: list[int]) -> Diagnosis:
+    """A run of skipped steps in which parameters' ``.grad`` already held inf/NaN before the backward added to
+    it: the loop does not reset the gradients, so one overflow stays in ``.grad`` and every later step is skipped
+    however finite its own gradients are."""
+    ev = in_run[0]
+    at = run.stale_steps(skip_run)
+    n = int(max(run.stale.get(s, 0.0) for s in at))
+    first, last = run.scale_range(skip_run)
+    fresh = [e for e in in_run if e.step in at]
+    gout = (
+        run.rows_of(fresh[-1].step, ("backward", "loss"), module=fresh[-1].module, prefix="grad_output")
+        if fresh
+        else run.records.iloc[0:0]
+    )
+    evidence = [
+        f"first non-finite value at step {ev.step}: {producer_text(ev)} ({ev.kind}, loss scale "
+        f"{num(run.scale.get(ev.step, math.nan))})",
+        f"at steps {steps_text(at)} the `.grad` of {n} parameter(s) already held inf/NaN before the backward "
+        "added to it: the loop did not reset the gradients (no `zero_grad()` since), so that value stays in `.grad` and every later step "
+        "is skipped",
+        f"{len(skip_run)} consecutive steps skipped (steps {steps_text(skip_run)}); loss scale {num(first)} → "
+        f"{num(last)}",
+    ]
+    if len(gout) and not int(gout[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum()):
+        evidence.append(
+            f"the fresh gradient arriving at {module_label(fresh[-1].module)} at step {fresh[-1].step} was finite "
+            f"(grad_output absmax {num(finite_absmax(gout))}): only the carried-over `.grad` is not"
+        )
+    advice = [
+        "Reset the gradients every step: `optimizer.zero_grad()` (or `model.zero_grad()`) before the backward "
+        "(with gradient accumulation, after each `optimizer.step()`/`scaler.step()`). Keeping layers in float32 "
+        "or a lower loss scale does not help: the inf is already in `.grad`.",
+    ]
+    summary = (
+        f"The gradients are never reset: the {ev.kind} of step {ev.step} stays in `.grad`, so the GradScaler skips "
+        f"every step from {skip_run[0]} on and the loss scale falls ({num(first)} → {num(last)})."
+    )
+    return Diagnosis("loss_scale_collapse", ev, evidence, advice, summary)
 
 
 def backoff(run: Facts, benign: list[Overflow]) -> Diagnosis:

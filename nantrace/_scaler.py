@@ -6,6 +6,7 @@ Each function takes the :class:`~nantrace._recording.Recording` it records into.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,15 @@ from ._hooks import eager
 if TYPE_CHECKING:
     from ._recording import Recording
 
-__all__ = ["applied_norm", "attach_optimizer", "attach_scaler", "current_lr", "param_hook", "scaler_tensor"]
+__all__ = [
+    "applied_norm",
+    "attach_optimizer",
+    "attach_scaler",
+    "current_lr",
+    "param_hook",
+    "scaler_tensor",
+    "stale_hook",
+]
 
 
 def scaler_tensor(scaler: torch.amp.GradScaler, attr: str) -> torch.Tensor | float | None:
@@ -88,6 +97,29 @@ def applied_norm(r: Recording) -> None:
     norms = list(torch._foreach_norm(narrow, 2, dtype=torch.float32)) if narrow else []
     norms += [n.float() for n in torch._foreach_norm(wide)] if wide else []
     rec.pending.applied_norm = torch.linalg.vector_norm(torch.stack(norms))
+
+
+def stale_hook(r: Recording, p: torch.Tensor, index: int) -> Callable[[torch.Tensor], None]:
+    """The pre-accumulation hook of parameter ``index`` (``Tensor.register_hook``: it sees the fresh gradient
+    while ``p.grad`` still holds what the loop left there). The first time a step's backward reaches the
+    parameter, a device flag of whether that old ``.grad`` held inf/NaN (a loop that never calls ``zero_grad()``
+    keeps an earlier step's inf there); read at the step boundary. The gradient is returned unchanged."""
+    rec = r.rec
+    ref = weakref.ref(p)
+    sharded = index in r.sharded_params
+
+    def hook(grad: torch.Tensor) -> None:
+        pending = rec.pending
+        if not rec.active or index in pending.stale:
+            return
+        q = ref()
+        old = q.grad if q is not None else None
+        if sharded or old is None or not old.is_floating_point() or old.is_sparse:
+            pending.stale[index] = None
+            return
+        pending.stale[index] = torch.logical_not(torch.isfinite(old.detach())).any().float()
+
+    return eager(hook)
 
 
 def record_reduced(r: Recording) -> None:

@@ -81,6 +81,8 @@ STEP_COLUMNS: tuple[str, ...] = (
     "rank",  # extension: torch.distributed rank (0 without a process group)
     "recorded",  # extension: how the step was recorded, one of RECORDED
     "applied_grad_norm",  # extension: L2 norm of the gradients optimizer.step() applied (after clipping)
+    "stale_grads",  # extension: parameters whose .grad already held inf/NaN when this step's backward reached
+    # them (a loop that never calls zero_grad()); NaN when no parameter gradient was hooked this step
 )
 
 # How a step was recorded: "full" (every hook), "watch" (nantrace.watch's sentinel only), "replay" (the sentinel

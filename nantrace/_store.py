@@ -160,6 +160,8 @@ def canonical_steps(df: pd.DataFrame) -> pd.DataFrame:
     if "applied_grad_norm" not in df.columns:  # written before it was recorded: not known
         df["applied_grad_norm"] = np.full(len(df), np.nan)
     df["recorded"] = df["recorded"].astype("string")
+    if "stale_grads" not in df.columns:  # written before the column existed: not recorded
+        df["stale_grads"] = np.full(len(df), math.nan)
     return df
 
 
@@ -179,6 +181,7 @@ class StepRows:
     steps table stays small); appended and read back as dicts."""
 
     _INTS = frozenset({"step", "n_nonfinite", "micro_steps", "n_records", "rank"})
+    _OPTIONAL = frozenset({"applied_grad_norm", "stale_grads"})  # NaN in rows that do not set them
 
     def __init__(self) -> None:
         self.cols: dict[str, array] = {c: array("d") for c in STEP_COLUMNS}
@@ -188,7 +191,7 @@ class StepRows:
 
     def append(self, row: dict[str, Any]) -> None:
         for c, a in self.cols.items():
-            v = row.get(c, "full") if c == "recorded" else row.get(c) if c == "applied_grad_norm" else row[c]
+            v = row.get(c, "full") if c == "recorded" else row.get(c) if c in self._OPTIONAL else row[c]
             a.append(float(RECORDED.index(v)) if c == "recorded" else math.nan if v is None else float(v))
 
     def row(self, i: int) -> dict[str, Any]:
@@ -237,6 +240,9 @@ class PendingStep:
     growth_tracker: torch.Tensor | float | None = None
     found_inf: torch.Tensor | float | None = None
     lr: Any = None
+    # param index -> device flag (1: its .grad held inf/NaN before this step's backward added to it), None: no
+    # .grad yet; one entry per parameter, from the first backward of the step that reached it
+    stale: dict[int, torch.Tensor | None] = field(default_factory=dict)
     micro_steps: int = 0
     # device summaries of the model inputs' per-sample flags (nantrace._samples), copied with the rest
     samples: list[torch.Tensor] = field(default_factory=list)
@@ -290,6 +296,8 @@ class Store:
             want("loss", t)
         for t in pending.grad_norms.values():
             want("grad_norm", t)
+        for f in pending.stale.values():
+            want("stale", f)
         for key in ("scale", "next_scale", "growth_tracker", "found_inf", "lr", "applied_norm"):
             want(key, getattr(pending, key))
         for t in pending.samples:
@@ -333,6 +341,7 @@ class Store:
             bad &= ~mask_rule(chunk, self)
             n_nonfinite = int(bad.sum())
         growth = scalar("growth_tracker")
+        stale = float(sum(float(a[0]) for a in got.get("stale", []))) if pending.stale else math.nan
         self.step_rows.append(
             {
                 "step": step,
@@ -348,6 +357,7 @@ class Store:
                 "micro_steps": pending.micro_steps,
                 "n_records": n,
                 "rank": self.rank,
+                "stale_grads": stale,
             }
         )
         self.samples_host = got.get("samples", [])  # read by the recording's SampleWatch after the flush
@@ -386,6 +396,7 @@ class Store:
             n_nonfinite=sum(r["n_nonfinite"] for r in rows),
             micro_steps=sum(max(r["micro_steps"], 1) for r in rows),
             n_records=sum(r["n_records"] for r in rows),
+            stale_grads=rows[0]["stale_grads"],  # later forwards were micro-steps accumulating into .grad
         )
         self.step_rows.replace_head(count, merged)
         self.ops = [
@@ -607,6 +618,7 @@ class Store:
                 "rank": pd.array([r["rank"] for r in rows], dtype="int64"),
                 "recorded": pd.array([r["recorded"] for r in rows], dtype="string"),
                 "applied_grad_norm": np.array([r["applied_grad_norm"] for r in rows], dtype=np.float64),
+                "stale_grads": np.array([r["stale_grads"] for r in rows], dtype=np.float64),
             },
             columns=list(STEP_COLUMNS),
         )

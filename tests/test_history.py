@@ -5,6 +5,7 @@ same producer, a loss beyond float16 with every step skipped, and evidence that 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import conftest
 import torch
@@ -15,6 +16,57 @@ import nantrace
 from nantrace._diagnose import diagnose
 from nantrace._fmt import num
 from nantrace._schema import FP16_SMALLEST_SUBNORMAL
+
+
+# ------------------------------------------------------------------------------------------ kind 4
+def _no_zero_grad_run(zero_grad: bool, tmp: Path | None = None) -> nantrace.Trace:
+    """float16 autocast + GradScaler; step 0's scaled gradient overflows (outputs near 300, scale 65536), later
+    batches are small. Without ``zero_grad()`` the step-0 inf stays in ``.grad``."""
+    m = nn.Linear(4, 4)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    with nantrace.trace(m, scaler=scaler, optimizer=opt) as tr:
+        for s in range(4):
+            if zero_grad:
+                opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                y = m(torch.full((2, 4), 300.0 if s == 0 else 1.0))
+            scaler.scale(y.float().pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+    return tr
+
+
+def test_stale_gradients_from_a_loop_without_zero_grad_say_zero_grad_not_float32(tmp_path: Path) -> None:
+    tr = _no_zero_grad_run(zero_grad=False)
+    assert tr.steps["skipped"].tolist() == [True] * 4
+    assert tr.steps["stale_grads"].tolist() == [0.0, 2.0, 2.0, 2.0]  # weight and bias from step 1 on
+    d = tr.diagnose()
+    assert d.cause == "loss_scale_collapse"
+    assert d.overflow is not None and (d.overflow.step, d.overflow.phase) == (0, "loss")
+    assert (
+        "at steps 1–3 the `.grad` of 2 parameter(s) already held inf/NaN before the backward added to it: the loop "
+        "did not reset the gradients (no `zero_grad()` since), so that value stays in `.grad` and every later step "
+        "is skipped"
+    ) in d.evidence
+    assert any(
+        e.startswith("the fresh gradient arriving at the root model at step 3 was finite") for e in d.evidence
+    )
+    assert d.advice[0].startswith("Reset the gradients every step: `optimizer.zero_grad()`")
+    assert not any(
+        "Keep the root model in float32" in a or "keep the root model in float32" in a for a in d.advice
+    )
+    tr.save(tmp_path / "t.nantrace")
+    back = nantrace.load(tmp_path / "t.nantrace")
+    assert back.steps["stale_grads"].tolist() == [0.0, 2.0, 2.0, 2.0]
+    assert back.diagnose().summary == d.summary
+
+
+def test_the_same_loop_with_zero_grad_has_no_stale_gradients() -> None:
+    tr = _no_zero_grad_run(zero_grad=True)
+    assert tr.steps["stale_grads"].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert tr.steps["skipped"].tolist() == [True, False, False, False]
+    assert tr.diagnose().cause == "scaler_backoff"
 
 
 # ------------------------------------------------------------------------------------------ kind 5
