@@ -21,6 +21,7 @@ from ._schema import FP16_SMALLEST_NORMAL, FP16_SMALLEST_SUBNORMAL, dtype_max
 __all__ = [
     "backward_overflow",
     "bf16_advice",
+    "clipping_text",
     "compute_dtype",
     "data",
     "divergence_diagnosis",
@@ -614,6 +615,15 @@ def _adam_square_text(gmax: float, gmin: float) -> str:
     return f"in float16 grad² ranges {num(gmin * gmin)}–{num(gmax * gmax)} (every value above {num(tiny)})"
 
 
+def clipping_text(clip: tuple[int, float, float]) -> str:
+    """The loop's own clipping, as observed at one step."""
+    step, before, after = clip
+    return (
+        f"the loop already clips the gradients: at step {step} their norm was {num(before)} after the backward and "
+        f"{num(after)} when optimizer.step() applied them"
+    )
+
+
 def _lr_advice(div: DivergenceFacts) -> str:
     """Lower the learning rate, with the ratio it gave; a warmup only when the recorded lr did not already rise."""
     ratio = ""
@@ -649,10 +659,14 @@ def divergence_diagnosis(run: Facts, ev: Overflow | None, div: DivergenceFacts) 
     if skips:
         evidence.append(skips)
     advice = [_lr_advice(div)]
-    advice.append(
-        "Clip gradients: `scaler.unscale_(optimizer)` then `torch.nn.utils.clip_grad_norm_(model.parameters(), "
-        "1.0)` before `scaler.step(optimizer)` (without a scaler, just before `optimizer.step()`)."
-    )
+    clip = run.clipping()
+    if clip is not None:
+        evidence.append(clipping_text(clip))
+    else:
+        advice.append(
+            "Clip gradients: `scaler.unscale_(optimizer)` then `torch.nn.utils.clip_grad_norm_(model.parameters(), "
+            "1.0)` before `scaler.step(optimizer)` (without a scaler, just before `optimizer.step()`)."
+        )
     grows = (
         "the weights themselves grow step after step"
         if div.weights_steady

@@ -24,8 +24,19 @@ finite. Every other event is a *fault*, classified on the spot:
   (rising in at least half of the changes), and when parameters are recorded the median update-to-weight ratio
   was at least :data:`DIVERGENCE_UPDATE_RATIO` (10x the healthy 1e-3) or the weights' absmax grew at least
   :data:`DIVERGENCE_WEIGHT_GROWTH` times. At least one of loss or parameters must be recorded. Steps right after
-  a skipped step are left out of these series (their weights did not change).
-* ``loss``: phase ``loss`` (outputs finite; the loss, or the gradient it sends back, is not).
+  a skipped step are left out of these series (their weights did not change). The loss need not agree when the
+  activations grew at least :data:`QUIET_DIVERGENCE_GROWTH` times with a median update ratio of at least
+  :data:`DIVERGENCE_UPDATE_RATIO` (the loss can stay flat while one layer's logits grow, as in attention logit
+  growth). With fewer than :data:`DIVERGENCE_MIN_STEPS` steps of history it is divergence when a signal is strong
+  between the last two fresh steps: the loss grew at least :data:`DIVERGENCE_JUMP_LOSS` times and the gradient
+  norm at least :data:`DIVERGENCE_JUMP_GRAD_NORM` times, or the update ratio was at least
+  :data:`DIVERGENCE_JUMP_UPDATE_RATIO` while the loss or the gradient norm grew :data:`DIVERGENCE_GROWTH` times.
+  The advice reads the loop: no "add a warmup" when the recorded lr rose over those steps (the loop warms up), no
+  "clip gradients" when ``steps.applied_grad_norm`` (the norm when ``optimizer.step()`` ran) was below
+  :data:`CLIP_OBSERVED_FRACTION` of ``steps.grad_norm`` at some step (the loop clips).
+* ``loss``: phase ``loss`` (outputs finite; the loss, or the gradient it sends back, is not). A NaN loss whose
+  gradient at the model's outputs was recorded finite and exactly 0 in every element is a mean over zero elements
+  (every label ``ignore_index``, an empty mask): the advice guards the reduction instead of a wider dtype.
 * ``forward_overflow``: phase ``forward`` and kind inf; or kind NaN made from inputs beyond the output dtype's
   range (autocast casting a float32 value above 65504 to float16); or kind NaN made from finite inputs by a
   module whose own float32 parameter is beyond the output dtype's range (autocast's cast of the weight gives
@@ -46,14 +57,22 @@ scale-dependent way (a backoff that the other rank only shared), and is ``receiv
 when the merged locator found that the reduction itself made the value (every rank's local gradients finite),
 it is ``backward_overflow`` (``invalid_op`` for NaN) with the local absmax and the reduction as evidence.
 
-A scale-dependent event belongs to a *run* of consecutive skipped steps. The run is a *collapse* when it is at
+A scale-dependent event belongs to a *run* of consecutive skipped steps. When a step of the run has
+``steps.stale_grads > 0`` (a parameter's ``.grad`` already held inf/NaN before that step's backward added to it:
+the loop does not reset the gradients), it is ``loss_scale_collapse`` naming the stale ``.grad`` and
+``zero_grad()``, however short the run. The run is a *collapse* when it is at
 least :data:`COLLAPSE_RUN` steps long (the scale fell 256x in a row), or the loss scale falls below 1, or at least
 half the steps from its start on are skipped and either :data:`COLLAPSE_RUN` of them are or the skips come back
 in at least :data:`COLLAPSE_RECURRING` separate runs while the scale fell at least 2**(COLLAPSE_RECURRING - 1)
-times (the scale keeps falling; a scaler that grows and backs off in turn does not). For a collapse, or a run the trace ends in: mostly-NaN events are
+times (the scale keeps falling; a scaler that grows and backs off in turn does not). A run the trace ends in that
+starts at the first traced step (no step trained) while the loss itself is beyond the compute dtype's largest
+value counts as a collapse. For a collapse, or a run the trace ends in: mostly-NaN events are
 ``invalid_op`` (NaN does not go away with a lower scale); a collapse is ``divergence`` when the divergence rule
 holds over the steps up to its last event, else ``loss_scale_collapse`` (its ``overflow`` is the run's last
-event: what still overflowed at the lowest scale). Any other run is a benign backoff and the search goes on.
+event: what still overflowed at the lowest scale). Any other run is a benign backoff and the search goes on,
+except a NaN event whose producer (phase, module, tensor) already made NaN in an earlier, separate run at a loss
+scale no lower: a lower scale did not remove it, so it is ``invalid_op`` (a NaN that recurs with one kind of
+batch is a fault, not a backoff).
 
 When the GradScaler skipped steps but the trace holds no non-finite value at all while it recorded the backward
 of the whole model (``backward`` phase, no ``modules=`` filter, one process): ``scaler_backoff`` with no event

@@ -11,6 +11,7 @@ from ._overflow import Overflow
 
 __all__ = [
     "CAUSES",
+    "CLIP_OBSERVED_FRACTION",
     "COLLAPSE_RECURRING",
     "COLLAPSE_RUN",
     "DIVERGENCE_GROWTH",
@@ -66,6 +67,7 @@ DIVERGENCE_JUMP_UPDATE_RATIO = (
 )
 QUIET_DIVERGENCE_GROWTH = 100.0  # output absmax growth for a divergence that has not overflowed yet
 QUIET_DIVERGENCE_LOSS_GROWTH = 10.0  # loss growth for a divergence that has not overflowed yet
+CLIP_OBSERVED_FRACTION = 0.99  # applied grad norm below this fraction of the backward's: the loop clipped
 COLLAPSE_RUN = 8  # consecutive skipped steps (scale fell 2**8 = 256x in a row) that are not a benign backoff
 COLLAPSE_RECURRING = (
     3  # separate runs of skips that, with half the steps skipped, mean the scale keeps falling

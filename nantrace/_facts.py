@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from ._diagnosis import (
+    CLIP_OBSERVED_FRACTION,
     COLLAPSE_RECURRING,
     COLLAPSE_RUN,
     DIVERGENCE_GROWTH,
@@ -80,6 +81,7 @@ class Facts:
         self.lr: dict[int, float] = {}
         self.grad_norm: dict[int, float] = {}
         self.stale: dict[int, float] = {}  # parameters whose .grad held inf/NaN before the step's backward
+        self.applied_norm: dict[int, float] = {}  # grad norm when optimizer.step() ran (after any clipping)
         if len(st):
             for row in st.to_dict("records"):
                 s = int(row["step"])
@@ -91,6 +93,7 @@ class Facts:
                 self.lr[s] = as_float(row["lr"])
                 self.grad_norm[s] = as_float(row["grad_norm"])
                 self.stale[s] = as_float(row.get("stale_grads"))
+                self.applied_norm[s] = as_float(row.get("applied_grad_norm"))
         loss_rows = (self.phase == "loss") & self.starts("loss")
         self._loss_seen = set(self.step[loss_rows].tolist())
         self._loss_bad = set(self.step[loss_rows & self.nonfinite].tolist())
@@ -127,6 +130,19 @@ class Facts:
         """Those of ``steps`` at which some parameter's ``.grad`` already held inf/NaN before the step's backward
         added to it (recorded per step; an old trace without the column has none)."""
         return [s for s in steps if self.stale.get(s, math.nan) > 0]
+
+    def clipping(self) -> tuple[int, float, float] | None:
+        """The loop's own gradient clipping, observed: the last step whose gradients' norm at
+        ``optimizer.step()`` was below :data:`CLIP_OBSERVED_FRACTION` of the (unscaled) norm the backward made,
+        as ``(step, norm from the backward, norm applied)``; ``None`` when no step shows it."""
+        hits = [
+            (s, self.grad_norm[s], a)
+            for s, a in self.applied_norm.items()
+            if math.isfinite(a)
+            and math.isfinite(self.grad_norm.get(s, math.nan))
+            and a < CLIP_OBSERVED_FRACTION * self.grad_norm[s]
+        ]
+        return hits[-1] if hits else None
 
     def skipped_steps(self) -> list[int]:
         return [s for s in self.step_ids if self.skipped.get(s) is True]

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 
-from ._causes import bf16_advice, compute_dtype, invalid_op, producer_text, skips_text
+from ._causes import bf16_advice, clipping_text, compute_dtype, invalid_op, producer_text, skips_text
 from ._diagnosis import (
     UNDERFLOW_FRACTION,
     UNDERFLOW_SMALL_ABSMAX,
@@ -117,10 +117,18 @@ def collapse(run: Facts, ev: Overflow | None, skip_run: list[int]) -> Diagnosis:
             "instead of a sum, normalised targets, or divide it by a constant.",
         )
     advice.append(bf16_advice())
-    advice.append(
-        "Clip gradients after `scaler.unscale_(optimizer)`; if the scale falls below 1, the gradients are too "
-        "large for float16 even unscaled: divide the loss (e.g. use a mean) or compute it in float32."
-    )
+    clip = run.clipping()
+    if clip is not None:
+        evidence.append(clipping_text(clip))
+        advice.append(
+            "If the scale falls below 1, the gradients are too large for float16 even unscaled: divide the loss "
+            "(e.g. use a mean) or compute it in float32."
+        )
+    else:
+        advice.append(
+            "Clip gradients after `scaler.unscale_(optimizer)`; if the scale falls below 1, the gradients are too "
+            "large for float16 even unscaled: divide the loss (e.g. use a mean) or compute it in float32."
+        )
     summary = (
         f"The loss scale kept falling ({num(first)} → {num(last)}) over {len(skip_run)} skipped steps: the "
         "gradients overflow at every scale tried."

@@ -404,3 +404,61 @@ def test_adam_evidence_says_which_grad_squares_round_to_zero() -> None:
         f"{num(gmax * gmax)}: the smallest ({num(gmin)}² below {num(FP16_SMALLEST_SUBNORMAL)}) rounds to 0, so "
         "sqrt(v) + eps is 0 where the gradient was small and m / 0 is inf"
     ) in d.evidence
+
+
+# ------------------------------------------------------------------------------------------ kind 7 (the loop)
+def test_the_gradient_norm_optimizer_step_applied_shows_the_loops_clipping() -> None:
+    m = nn.Linear(4, 4)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with nantrace.trace(m, scaler=scaler, optimizer=opt) as tr:
+        for s in range(3):
+            opt.zero_grad()
+            scaler.scale(m(torch.full((2, 4), 10.0)).pow(2).mean()).backward()
+            scaler.unscale_(opt)
+            if s > 0:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+    st = tr.steps
+    assert math.isclose(st["applied_grad_norm"].iloc[0], st["grad_norm"].iloc[0], rel_tol=1e-5)  # not clipped
+    assert st["grad_norm"].iloc[1] > 1.0
+    assert math.isclose(st["applied_grad_norm"].iloc[1], 1.0, rel_tol=1e-5)
+    assert math.isclose(st["applied_grad_norm"].iloc[2], 1.0, rel_tol=1e-5)
+
+
+def test_divergence_under_a_loop_that_clips_is_not_told_to_clip() -> None:
+    rows = []
+    for s in range(5):
+        rows.append(
+            {"step": s, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 10.0 * 4**s}
+        )
+        rows.append(
+            {
+                "step": s,
+                "phase": "optimizer",
+                "module": "fc",
+                "tensor": "weight",
+                "absmax": 1.5**s,
+                "dtype": "float32",
+            }
+        )
+    rows.append(
+        {"step": 5, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 1.0, "n_posinf": 3}
+    )
+    steps = conftest.steps_frame(
+        [
+            {"step": s, "loss": 2.0 * 3**s, "lr": 0.1, "grad_norm": 40.0 * (s + 1), "applied_grad_norm": 1.0}
+            for s in range(6)
+        ]
+    )
+    d = diagnose(conftest.frame_view(conftest.records_frame(rows), steps))
+    assert d.cause == "divergence"
+    assert (
+        "the loop already clips the gradients: at step 5 their norm was 240 after the backward and 1 when "
+        "optimizer.step() applied them"
+    ) in d.evidence
+    assert not any("Clip gradients" in a for a in d.advice)
+    assert (
+        "weight absmax went 1 (step 0) → 5.062 (step 4) (×5.062), rising in 100% of the steps" in d.evidence
+    )
