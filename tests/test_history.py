@@ -462,3 +462,29 @@ def test_divergence_under_a_loop_that_clips_is_not_told_to_clip() -> None:
     assert (
         "weight absmax went 1 (step 0) → 5.062 (step 4) (×5.062), rising in 100% of the steps" in d.evidence
     )
+
+
+# ------------------------------------------------------------------------------------------ the demo
+DEMO_TRACE = Path(__file__).resolve().parent / "data" / "demo_fp16.nantrace"
+
+
+def test_the_demos_diagnosis_names_the_learning_rate_and_its_warmup() -> None:
+    """``nantrace demo``'s trace (float16, 50 steps, Python 3.11.7, torch 2.13.0 on CPU): the attention scores
+    overflow at step 27 because the learning rate warming up to 0.1 is too high for the model."""
+    tr = nantrace.load(DEMO_TRACE)
+    d = tr.diagnose()
+    assert d.cause == "divergence"
+    assert d.overflow is not None
+    assert (d.overflow.step, d.overflow.phase, d.overflow.module, d.overflow.kind) == (
+        27,
+        "forward",
+        "blocks.1.attn.scores",
+        "inf",
+    )
+    assert d.advice[0].startswith("Lower the learning rate from 0.042 (the update ratio was 0.07574")
+    assert "The loop already warms up (lr 0.028 at step 19 → 0.042 at step 26)" in d.advice[0]
+    assert not any("sqrt(head_dim)" in a for a in d.advice)  # the model already scales its scores
+    assert (
+        "loss went 3.268 (step 19) → 3.104 (step 26) (×0.9499): it had not risen yet, the growth is in the "
+        "activations"
+    ) in d.evidence
