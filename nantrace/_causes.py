@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from ._diagnosis import HEALTHY_UPDATE_RATIO, Diagnosis
-from ._evidence import call_arity, class_advice, op_evidence, weights_beyond_event
+from ._evidence import call_arity, class_advice, mean_over_nothing, op_evidence, weights_beyond_event
 from ._explain import samples_words
 from ._facts import DivergenceFacts, Facts
 from ._fmt import attr_path, module_label, num, steps_text
@@ -422,12 +422,7 @@ def empty_reduction(run: Facts, ev: Overflow) -> int | None:
     if ev.kind != "nan" or not ev.tensor.startswith("loss"):
         return None
     g = run.rows_of(ev.step, "loss", prefix="grad_output")
-    g = g[g["micro_step"].to_numpy() == ev.micro_step]
-    if not len(g):
-        return None
-    numel = int(g["numel"].sum())
-    bad = int(g[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum())
-    return numel if numel > 0 and bad == 0 and int(g["n_zero"].sum()) == numel else None
+    return mean_over_nothing(g[g["micro_step"].to_numpy() == ev.micro_step])
 
 
 def _loss_gradient_advice(run: Facts, ev: Overflow, lv: float) -> str:

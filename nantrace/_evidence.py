@@ -55,6 +55,7 @@ __all__ = [
     "call_input_rows",
     "class_advice",
     "headline",
+    "mean_over_nothing",
     "op_evidence",
     "weights_beyond_event",
 ]
@@ -563,6 +564,28 @@ def _event_kind(view: RunView, ov: Overflow) -> str:
     return "posinf"
 
 
+def mean_over_nothing(grad_rows: pd.DataFrame) -> int | None:
+    """For a NaN loss: the number of output elements when the gradient arriving at the model's outputs
+    (``grad_rows``: that micro-step's ``loss``-phase ``grad_output`` rows) was recorded finite and exactly 0 in
+    every element, so no output element contributed and the loss was a mean over zero elements (0/0: every label
+    ``ignore_index``, an empty mask); else ``None``."""
+    if not len(grad_rows):
+        return None
+    numel = int(grad_rows["numel"].sum())
+    bad = int(grad_rows[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum())
+    return numel if numel > 0 and bad == 0 and int(grad_rows["n_zero"].sum()) == numel else None
+
+
+def _op_dtype(op: str, ops: tuple[Operand, ...], event_dtype: str) -> str:
+    """The dtype the op computed in: the widest floating dtype of its tensor operands (type promotion among
+    tensors), which is not the call's output dtype when the call casts afterwards (``softmax(s.float())``); a
+    cast's target is the event's dtype."""
+    if op == CAST_OP:
+        return event_dtype
+    floats = [o.dtype for o in ops if o.dtype is not None and not math.isnan(dtype_max(o.dtype))]
+    return max(floats, key=dtype_max) if floats else event_dtype
+
+
 def op_evidence(view: RunView, ov: Overflow) -> OpEvidence | None:
     """The facts and class of the op that produced ``ov`` (a ``forward`` or ``backward`` event); None for the
     other phases (no op of the model made the value)."""
@@ -574,6 +597,7 @@ def op_evidence(view: RunView, ov: Overflow) -> OpEvidence | None:
     if row is not None:
         kind = str(row["kind"])
         ops, vanished, recorded = _operands(row.get("operands"))
+        dtype = _op_dtype(str(row["op"]), ops, dtype)
         if beyond and str(row["op"]) != CAST_OP:
             cls, because, what = _classify_call(view, ov, kind, beyond)
         else:

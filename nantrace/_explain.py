@@ -15,7 +15,14 @@ import pandas as pd
 import torch
 
 from ._errors import NantraceError
-from ._evidence import OpEvidence, class_advice, headline, op_evidence, weights_beyond_event
+from ._evidence import (
+    OpEvidence,
+    class_advice,
+    headline,
+    mean_over_nothing,
+    op_evidence,
+    weights_beyond_event,
+)
 from ._fmt import module_label, num
 from ._hooks import CAST_OP
 from ._locate import Event, Finding, find
@@ -139,7 +146,8 @@ def _forward_inputs(ev: Event) -> pd.DataFrame:
     return mine[mine["tensor"].astype(str).str.startswith("input")]
 
 
-def _forward_head(ev: Event) -> tuple[str, bool]:
+def _forward_head(ev: Event, op_dtype: str | None = None) -> tuple[str, bool]:
+    """The opening sentence; ``op_dtype`` is the dtype the producing op computed in, when the evidence knows it."""
     f, row = ev.fields, ev.row
     own_code = str(row["module"]) != f["module"]
     if own_code:
@@ -149,7 +157,9 @@ def _forward_head(ev: Event) -> tuple[str, bool]:
             f"`{row['module']}`; every submodule output before it was finite)"
         )
     elif ev.op is not None:
-        at = f"`{ev.op}` inside its forward ({f['dtype']})"
+        made_in = op_dtype or str(f["dtype"])
+        out = "" if made_in == str(f["dtype"]) else f"; the call's output is {f['dtype']}"
+        at = f"`{ev.op}` inside its forward ({made_in}{out})"
     else:
         at = f"its `{f['tensor']}` ({f['dtype']})"
     who = module_label(str(f["module"]))
@@ -189,7 +199,7 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
     name, dmax, what = module_label(module), dtype_max(dtype), KIND_WORDS[ev.raw_kind]
     inputs = _forward_inputs(ev)
     in_absmax = num(finite_absmax(inputs))
-    head, own_code = _forward_head(ev)
+    head, own_code = _forward_head(ev, oe.dtype if oe.op is not None else None)
     inputs_had_inf = _has(inputs, "posinf") or _has(inputs, "neginf")
     beyond = weights_beyond_event(view, Overflow(**f))[0]
     facts = oe.fact_lines() if oe.op is not None else []
@@ -278,6 +288,21 @@ def _loss(ev: Event) -> str:
                 f"scale {num(scale)}. A GradScaler skips such a step and lowers the scale; if it keeps happening, "
                 "start from a lower init_scale or reduce the loss (e.g. a mean instead of a sum)."
             )
+    if tensor.startswith("loss") and ev.raw_kind == "nan":
+        grads = step_df[
+            (step_df["micro_step"] == micro)
+            & (step_df["phase"].astype(str) == "loss")
+            & step_df["tensor"].astype(str).str.startswith("grad_output")
+        ]
+        n = mean_over_nothing(grads)
+        if n is not None:
+            return (
+                f"{head}\nThe gradient arriving at the model's outputs was exactly 0 in all {n} elements: no output "
+                "element contributed, so the loss was a mean over zero elements (0/0: every label `ignore_index`, "
+                "an empty mask). Skip such a batch or divide by `count.clamp_min(1)`."
+            )
+    if is_wide(str(f["dtype"])):
+        return f"{head} Check the targets and any log, division or empty reduction in the loss."
     return (
         f"{head} Compute the loss in float32 (e.g. F.cross_entropy(logits.float(), y)) and use log_softmax "
         "rather than log(softmax(...))."

@@ -311,3 +311,19 @@ def test_headlines_fit_in_160_characters() -> None:
     assert ov is not None
     assert len(str(ov).splitlines()[0]) == 160 and str(ov).splitlines()[0].endswith("…")
     assert len(str(tr.diagnose()).splitlines()[0]) == 160
+
+
+def _mask_then_float32(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(_finfo_min_mask(x, keep).float(), -1)  # the mask add is float16, the output float32
+
+
+def test_an_op_of_a_call_with_a_wider_output_is_described_in_the_dtype_it_computed_in() -> None:
+    tr = _run(_mask_then_float32, (SCORES, torch.zeros(1, 4, dtype=H)))  # a fully masked row: NaN out
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.module, ov.dtype, ov.op_class) == ("body", "float32", "mask_arithmetic")
+    ev = op_evidence(tr._view(), ov)
+    assert ev is not None and (ev.op, ev.dtype) == ("add", "float16")
+    text = str(ov) + str(tr.diagnose())
+    assert str(ov).splitlines()[0].endswith("rounds to -inf (float16)")
+    assert "produced -inf in `add` inside its forward (float16; the call's output is float32)" in str(ov)
+    assert "±65504 (torch.finfo(float16).min" in text and "3.403e+38" not in text

@@ -488,3 +488,15 @@ def test_the_demos_diagnosis_names_the_learning_rate_and_its_warmup() -> None:
         "loss went 3.268 (step 19) → 3.104 (step 26) (×0.9499): it had not risen yet, the growth is in the "
         "activations"
     ) in d.evidence
+
+
+def test_the_overflow_text_of_a_mean_over_zero_elements_agrees_with_the_diagnosis() -> None:
+    ov = _empty_label_run().first_overflow()
+    assert ov is not None
+    assert str(ov).splitlines()[1:] == [
+        "At step 2 the model's outputs were finite (absmax 0.9927) but the loss was NaN (float32).",
+        "The gradient arriving at the model's outputs was exactly 0 in all 6 elements: no output element "
+        "contributed, so the loss was a mean over zero elements (0/0: every label `ignore_index`, an empty mask). "
+        "Skip such a batch or divide by `count.clamp_min(1)`.",
+    ]
+    assert "Compute the loss in float32" not in str(ov)
