@@ -180,8 +180,19 @@ def first_in_step(
         if i in extra and not (mask[i] and extra[i][0] == "neginf"):  # a module that builds a mask
             return df.iloc[i], extra[i][0], extra[i][1]
         if kinds:
-            return df.iloc[i], kinds[0], None
+            return _as_loss_row(df, i), kinds[0], None
     return None
+
+
+def _as_loss_row(df: pd.DataFrame, i: int) -> pd.Series:
+    """Row ``i``, or the ``loss``-phase row of the same tensor (same ``event``) when row ``i`` is a backward row:
+    the gradient arriving at the model's outputs is also a last child's ``grad_output``, whose hook can fire
+    before the root's; the loss's backward made it, before any module's backward ran."""
+    row = df.iloc[i]
+    if str(row["phase"]) != "backward":
+        return row
+    same = df[(df["event"].to_numpy() == row["event"]) & (df["phase"].astype(str).to_numpy() == "loss")]
+    return same.iloc[0] if len(same) else row
 
 
 def call_of(step_df: pd.DataFrame, module: str, micro: int, before_seq: int) -> int:

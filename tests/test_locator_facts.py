@@ -107,3 +107,19 @@ def test_autocast_cast_of_a_gpt2_conv1d_weight_is_the_producing_op() -> None:
     assert _where(ov) == (0, 0, "forward", "proj", "output", "inf")
     assert "`aten._to_copy` inside its forward (float16)" in str(ov)
     assert "an invalid operation such as 0/0" not in str(tr.diagnose())
+
+
+def test_a_loss_gradient_that_is_also_the_last_childs_grad_output_is_the_loss_phase() -> None:
+    # the root's output is its last child's output: the gradient the loss sends back (1e6 per element, +inf in
+    # float16) is recorded as child `1`'s grad_output before the root's; the loss's backward made it
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)).half()
+    with nantrace.trace(m) as tr:
+        (m(torch.ones(1, 2, dtype=torch.float16)).float() * 1e6).sum().backward()
+        tr.step()
+    ov = tr.first_overflow()
+    assert ov is not None
+    assert (ov.step, ov.phase, ov.module, ov.tensor, ov.kind) == (0, "loss", "", "grad_output[0]", "inf")
+    r = tr.records
+    assert r[(r["phase"] == "backward") & (r["module"] == "1") & (r["tensor"] == "grad_output[0]")][
+        "n_posinf"
+    ].tolist() == [2]
