@@ -122,6 +122,9 @@ def footer(header: dict[str, Any], steps: pd.DataFrame, ops: pd.DataFrame) -> by
     return json.dumps({**meta, "sha256": _digest(meta)}).encode("utf-8")
 
 
+_META_KEYS = ("header", "steps", "ops", "sha256")  # sha256 is absent in files written before it existed
+
+
 def _digest(meta: dict[str, Any]) -> str:
     import hashlib
 
@@ -187,8 +190,16 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         meta = json.loads(raw.decode("utf-8"))
         fmt = int(meta["header"]["format"])
+        keys = set(meta)
     except (ValueError, KeyError, TypeError) as e:
         raise NantraceError(f"{str(p)!r} has damaged nantrace metadata ({e})") from None
+    if not set(_META_KEYS[:3]) <= keys or not keys <= set(
+        _META_KEYS
+    ):  # a renamed key: the checksum cannot be trusted
+        raise NantraceError(
+            f"{str(p)!r} has damaged nantrace metadata (keys {sorted(keys)}, expected {list(_META_KEYS)}); "
+            "restore it from a copy"
+        )
     if fmt != FORMAT_VERSION:
         raise NantraceError(
             f"{str(p)!r} was written in trace format {fmt} by nantrace {meta['header'].get('nantrace')}; "
