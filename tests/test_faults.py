@@ -202,7 +202,7 @@ def test_every_flip_in_the_nantrace_metadata_raises(
         flipped[pos] ^= bit
         bad = tmp_path / f"meta{i}.nantrace"
         bad.write_bytes(bytes(flipped))
-        with pytest.raises(nantrace.NantraceError, match="damaged|not a nantrace trace"):
+        with pytest.raises(nantrace.NantraceError, match=r"damaged|not a nantrace trace"):
             nantrace.load(bad)
 
 
