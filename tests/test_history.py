@@ -222,10 +222,11 @@ def test_quiet_divergence_led_by_the_loss_while_a_norm_hides_the_activations() -
     )
 
 
-def test_a_jump_of_the_weights_is_not_called_steady_growth() -> None:
-    rows = []
-    absmax = [1.0, 1.01, 1.02, 3000.0, 3010.0]
-    for s in range(5):
+def _growing_rows(weight_absmax: list[float]) -> list[dict[str, object]]:
+    """Five steps of ``fc``'s output absmax growing 4x a step with the given weight absmax, then a forward
+    overflow at step 5."""
+    rows: list[dict[str, object]] = []
+    for s, w in enumerate(weight_absmax):
         rows.append(
             {"step": s, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 10.0 * 4**s}
         )
@@ -235,13 +236,18 @@ def test_a_jump_of_the_weights_is_not_called_steady_growth() -> None:
                 "phase": "optimizer",
                 "module": "fc",
                 "tensor": "weight",
-                "absmax": absmax[s],
+                "absmax": w,
                 "dtype": "float32",
             }
         )
     rows.append(
         {"step": 5, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 1.0, "n_posinf": 3}
     )
+    return rows
+
+
+def test_a_jump_of_the_weights_is_not_called_steady_growth() -> None:
+    rows = _growing_rows([1.0, 1.01, 1.02, 3000.0, 3010.0])
     steps = conftest.steps_frame([{"step": s, "loss": 2.0 * 3**s, "lr": 0.1} for s in range(6)])
     d = diagnose(conftest.frame_view(conftest.records_frame(rows), steps))
     assert d.cause == "divergence"
@@ -428,24 +434,7 @@ def test_the_gradient_norm_optimizer_step_applied_shows_the_loops_clipping() -> 
 
 
 def test_divergence_under_a_loop_that_clips_is_not_told_to_clip() -> None:
-    rows = []
-    for s in range(5):
-        rows.append(
-            {"step": s, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 10.0 * 4**s}
-        )
-        rows.append(
-            {
-                "step": s,
-                "phase": "optimizer",
-                "module": "fc",
-                "tensor": "weight",
-                "absmax": 1.5**s,
-                "dtype": "float32",
-            }
-        )
-    rows.append(
-        {"step": 5, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 1.0, "n_posinf": 3}
-    )
+    rows = _growing_rows([1.5**s for s in range(5)])
     steps = conftest.steps_frame(
         [
             {"step": s, "loss": 2.0 * 3**s, "lr": 0.1, "grad_norm": 40.0 * (s + 1), "applied_grad_norm": 1.0}
