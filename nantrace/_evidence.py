@@ -698,10 +698,11 @@ def class_advice(ev: OpEvidence, module: str) -> list[str]:
             "eps to denominators and clamp arguments of sqrt/log."
         )
     elif ev.op_class == "mask_arithmetic":
-        out.append(
-            f"In {name}: apply the mask with `scores.masked_fill(mask, torch.finfo(scores.dtype).min)` rather than "
-            "adding or multiplying it (finfo.min plus a negative value rounds to -inf; 0·(-inf) is NaN)."
-        )
+        if base in _ARITH - {"masked_fill", "where", "fill"}:  # the mask was added or multiplied in
+            out.append(
+                f"In {name}: apply the mask with `scores.masked_fill(mask, torch.finfo(scores.dtype).min)` rather than "
+                "adding or multiplying it (finfo.min plus a negative value rounds to -inf; 0·(-inf) is NaN)."
+            )
         out.append(
             "Keep at least one unmasked key per row, or zero fully masked rows after the softmax "
             "(`probs.masked_fill(all_masked, 0)`)."

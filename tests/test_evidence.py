@@ -327,3 +327,15 @@ def test_an_op_of_a_call_with_a_wider_output_is_described_in_the_dtype_it_comput
     assert str(ov).splitlines()[0].endswith("rounds to -inf (float16)")
     assert "produced -inf in `add` inside its forward (float16; the call's output is float32)" in str(ov)
     assert "±65504 (torch.finfo(float16).min" in text and "3.403e+38" not in text
+
+
+def test_mask_advice_names_masked_fill_only_where_the_mask_was_added() -> None:
+    added = _run(_finfo_min_mask, (SCORES, KEEP)).diagnose()
+    assert added.op_class == "mask_arithmetic" and added.advice[0].startswith(
+        "In `body`: apply the mask with `scores.masked_fill(mask, torch.finfo(scores.dtype).min)` rather than "
+        "adding or multiplying it"
+    )
+    row = _run(_fully_masked_softmax, (SCORES, torch.zeros(1, 4, dtype=H))).diagnose()
+    assert row.op_class == "mask_arithmetic"
+    assert not any("masked_fill(mask" in a for a in row.advice)
+    assert row.advice[0].startswith("Keep at least one unmasked key per row")
