@@ -249,6 +249,11 @@ def _make_out(out: Path, overwrite: bool = False) -> bool:
             "it, or choose another --out"
         )
         return False
+    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        what = "--out" if blocked == out else f"its parent {str(blocked)!r}"
+        _err(f"--out {str(out)!r}: {what} is a file, not a directory; choose a directory for --out")
+        return False
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -316,3 +316,18 @@ def test_plot_output_that_is_a_directory_is_refused(
     err = capsys.readouterr().err
     assert f"-o '{tmp_path}' is a directory; give a file name such as '{tmp_path / 'overview.png'}'" in err
     assert not Path(f"{tmp_path}.png").exists()
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_demo_out_that_is_a_file_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], under: bool
+) -> None:
+    f = tmp_path / "taken"
+    f.write_text("keep me")
+    out = f / "sub" if under else f
+    assert cli.main(["demo", "--steps", "1", "--out", str(out), "--no-progress", "--device", "cpu"]) == 2
+    what = f"its parent {str(f)!r}" if under else "--out"
+    assert capsys.readouterr().err == (
+        f"nantrace: error: --out {str(out)!r}: {what} is a file, not a directory; choose a directory for --out\n"
+    )
+    assert f.read_text() == "keep me"
