@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pandas as pd
 
-from ._diagnosis import HEALTHY_UPDATE_RATIO, Diagnosis
+from ._diagnosis import DIVERGENCE_UPDATE_RATIO, HEADLINE_MAX, HEALTHY_UPDATE_RATIO, Diagnosis
 from ._evidence import call_arity, class_advice, mean_over_nothing, op_evidence, weights_beyond_event
 from ._explain import samples_words
-from ._facts import DivergenceFacts, Facts
+from ._facts import DivergenceFacts, Facts, ratio_per_step
 from ._fmt import attr_path, module_label, num, steps_text
 from ._masks import is_mask
 from ._overflow import Overflow
@@ -231,7 +231,11 @@ def _weights_evidence(
                 f"{ev.step} on, so the optimizer did not change it after that forward){shown}"
             )
         else:
-            when = f"it grew past {num(limit)} at step {since} (optimizer rows)"
+            when = (
+                f"it grew past {num(limit)} at step {since} (optimizer rows)"
+                if since >= 0
+                else f"it was already past {num(limit)} in the initial weights, from before step 0 (optimizer rows)"
+            )
         evidence.append(
             f"its parameter `{prefix}{pname}` ({pdtype}) has absmax {num(absmax)}, beyond {dtype}'s {num(limit)}: "
             f"autocast's cast of it to {dtype} gives inf, {made}; {when}"
@@ -479,8 +483,11 @@ def loss(run: Facts, ev: Overflow) -> Diagnosis:
         )
     skips = skips_text(run)
     if skips:
+        first, last = run.scale_range(run.step_ids)
         evidence.append(
             skips + " — a symptom: the scale falls because the loss itself is non-finite, not the gradients"
+            if last < first
+            else skips
         )
     advice: list[str] = []
     out_dtypes = [d for d in outs["dtype"].astype(str).unique().tolist() if d in ("float16", "bfloat16")]
@@ -619,18 +626,38 @@ def clipping_text(clip: tuple[int, float, float]) -> str:
     )
 
 
-def _lr_advice(div: DivergenceFacts) -> str:
-    """Lower the learning rate, with the ratio it gave; a warmup only when the recorded lr did not already rise."""
-    ratio = ""
-    target = math.nan
-    if not math.isnan(div.ratio) and div.ratio > 0:
-        ratio = f" (the update ratio was {num(div.ratio)}; healthy is about {HEALTHY_UPDATE_RATIO:g})"
-        target = div.lr * HEALTHY_UPDATE_RATIO / div.ratio
+def _calm_lr(run: Facts, lr: float) -> tuple[int, float, float] | None:
+    """The last recorded step with a learning rate below ``lr`` whose update-to-weight ratio was below
+    :data:`DIVERGENCE_UPDATE_RATIO` (near healthy): ``(step, its lr, its ratio)``, or ``None``."""
+    ratios = ratio_per_step(run.records)
+    calm = [
+        (int(st), run.lr[int(st)], float(r))
+        for st, r in zip(ratios.index.tolist(), ratios.tolist(), strict=True)
+        if r < DIVERGENCE_UPDATE_RATIO and run.lr.get(int(st), math.nan) < lr
+    ]
+    return calm[-1] if calm else None
+
+
+def _lr_advice(run: Facts, div: DivergenceFacts) -> str:
+    """Lower the (peak) learning rate with a recipe that needs no estimate: a tenth of it, or the lr of the last
+    step whose updates were near healthy; a warmup only when the recorded lr did not already rise."""
+    watch = f"and watch the update-to-weight ratio stay near the healthy {HEALTHY_UPDATE_RATIO:g}"
+    ratio = (
+        f" (the update-to-weight ratio was {num(div.ratio)}; healthy is about {HEALTHY_UPDATE_RATIO:g})"
+        if not math.isnan(div.ratio) and div.ratio > 0
+        else ""
+    )
     if math.isnan(div.lr):
-        text = f"Lower the learning rate (healthy update-to-weight ratio is about {HEALTHY_UPDATE_RATIO:g})"
+        text = f"Lower the (peak) learning rate (not recorded): try a tenth of it, {watch}"
     else:
-        text = f"Lower the learning rate from {num(div.lr)}{ratio}" + (
-            f"; about {num(target)} would give a healthy ratio" if not math.isnan(target) else ""
+        calm = _calm_lr(run, div.lr)
+        back = (
+            f" or {num(calm[1])}, the lr of step {calm[0]}, whose update-to-weight ratio was {num(calm[2])}"
+            if calm is not None
+            else ""
+        )
+        text = (
+            f"Lower the (peak) learning rate from {num(div.lr)}{ratio}: try {num(div.lr / 10)}{back}, {watch}"
         )
     if div.warmup is not None:
         a, lr_a, b, lr_b = div.warmup
@@ -639,7 +666,7 @@ def _lr_advice(div: DivergenceFacts) -> str:
             + f". The loop already warms up (lr {num(lr_a)} at step {a} → {num(lr_b)} at step {b}), and the "
             "run diverged during the rise: lower the peak learning rate or lengthen the warmup."
         )
-    return text + ", and add a warmup."
+    return text + "; and add a warmup."
 
 
 def divergence_diagnosis(run: Facts, ev: Overflow | None, div: DivergenceFacts) -> Diagnosis:
@@ -653,7 +680,7 @@ def divergence_diagnosis(run: Facts, ev: Overflow | None, div: DivergenceFacts) 
     skips = skips_text(run)
     if skips:
         evidence.append(skips)
-    advice = [_lr_advice(div)]
+    advice = [_lr_advice(run, div)]
     clip = run.clipping()
     if clip is not None:
         evidence.append(clipping_text(clip))
@@ -670,8 +697,18 @@ def divergence_diagnosis(run: Facts, ev: Overflow | None, div: DivergenceFacts) 
     advice.append(f"Keeping a layer in float32 only postpones the overflow: {grows}.")
     if ev is None:
         summary = (
-            f"{div.grew.capitalize()}: the run is diverging (no overflow yet); the learning rate is too high."
+            f"{div.grew[0].upper() + div.grew[1:]}: the run is diverging (no overflow yet); the learning rate is "
+            "too high."
         )
+        ratio = (
+            "not recorded"
+            if math.isnan(div.ratio)
+            else f"{num(div.ratio)} (healthy ≈ {HEALTHY_UPDATE_RATIO:g})"
+        )
+        lr = "not recorded" if math.isnan(div.lr) else num(div.lr)
+        line = f"diverging, no overflow yet: update-to-weight ratio {ratio}, lr {lr}"
+        short = line if len(line) <= HEADLINE_MAX else line[: HEADLINE_MAX - 1] + "…"
+        return Diagnosis("divergence", None, evidence, advice, summary, headline=short)
     else:
         where = {"forward": "the forward of", "backward": "the backward of", "optimizer": "the update of"}
         what = (

@@ -86,7 +86,15 @@ at least :data:`UNDERFLOW_ZERO_FRACTION` of the elements exactly 0 (zeros alone 
 units give exact zeros at any scale); ``divergence`` when benign backoffs were seen and the divergence rule
 holds up to the last of them; ``divergence`` with no overflow yet when the output absmax grew at least
 :data:`QUIET_DIVERGENCE_GROWTH` times, the loss at least :data:`QUIET_DIVERGENCE_LOSS_GROWTH` times and the
-update ratio or weights agree; ``scaler_backoff`` when benign backoffs were seen; else ``healthy``.
+update ratio or weights agree; ``divergence`` with no overflow when the median update-to-weight ratio over the
+recorded steps is at least :data:`UNHEALTHY_UPDATE_RATIO` (100x the healthy 1e-3: every step changes the weights
+by a tenth of their size; such a run is never healthy, whatever the activations did); ``scaler_backoff`` when
+benign backoffs were seen; else ``healthy``.
+
+The overflow a ``divergence`` names (for a collapse or benign backoffs) is the one the growth led to: the first
+scale-dependent event at or after the last step of the window the rule read, else the last one before it; a routine
+backoff before the growth is not it. A ``gradient_underflow`` in a trace that holds skipped overflows says so
+(no "No inf/NaN") and lists only the gradients that meet the flushed definition above.
 
 Update-to-weight ratio
 ----------------------
@@ -107,7 +115,7 @@ from . import _scale_causes as sc
 from ._diagnosis import QUIET_DIVERGENCE_GROWTH, QUIET_DIVERGENCE_LOSS_GROWTH, Diagnosis
 from ._evidence import headline, op_evidence
 from ._explain import first_overflow, overflows
-from ._facts import Facts, divergence, overflow_from_row
+from ._facts import DivergenceFacts, Facts, divergence, fast_updates, overflow_from_row
 from ._overflow import Overflow
 from ._view import RunView
 
@@ -180,11 +188,19 @@ def _judge_skip_run(run: Facts, skip_run: list[int], in_run: list[Overflow]) -> 
         return c.invalid_op(run, nans[0])
     if not collapse and sc.loss_beyond_dtype(run, skip_run, in_run[-1]) is None:
         return None  # short and at the end of the trace: a backoff still in progress
-    last = max(e.step for e in run.events if run.scale_dependent(e))
-    div = divergence(run, last + 1, None)
+    dependent = [e for e in run.events if run.scale_dependent(e)]
+    div = divergence(run, dependent[-1].step + 1, None)
     if div.found:
-        return c.divergence_diagnosis(run, in_run[0], div)
+        return c.divergence_diagnosis(run, _led_to(dependent, div), div)
     return sc.collapse(run, in_run[-1], skip_run)
+
+
+def _led_to(events: list[Overflow], div: DivergenceFacts) -> Overflow:
+    """The overflow a divergence led to: the first of ``events`` at or after the last step of the growth window
+    the rule read, else the last one before it (a scaler backoff before the growth is not what it led to)."""
+    end = div.last_step if div.last_step is not None else events[-1].step
+    after = [e for e in events if e.step >= end]
+    return after[0] if after else events[-1]
 
 
 def _recurring_nan(run: Facts, benign: list[Overflow], ev: Overflow) -> list[Overflow]:
@@ -303,7 +319,7 @@ def _without_fault(run: Facts, benign: list[Overflow], world_size: int | None) -
     if benign:
         div = divergence(run, benign[-1].step + 1, None)
         if div.found:  # backoffs that keep coming back while everything grows
-            return c.divergence_diagnosis(run, benign[0], div)
+            return c.divergence_diagnosis(run, _led_to(benign, div), div)
     last = run.step_ids[-1] + 1 if run.step_ids else 0
     quiet = divergence(
         run,
@@ -315,6 +331,9 @@ def _without_fault(run: Facts, benign: list[Overflow], world_size: int | None) -
     )
     if quiet.found:
         return c.divergence_diagnosis(run, None, quiet)
+    fast = fast_updates(run)
+    if fast is not None:  # updates this large are never healthy, whatever the activations did
+        return c.divergence_diagnosis(run, None, fast)
     if benign or run.skipped_steps():
         return sc.backoff(run, benign)
     return sc.healthy(run)

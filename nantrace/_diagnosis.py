@@ -31,6 +31,7 @@ __all__ = [
     "UNDERFLOW_FRACTION",
     "UNDERFLOW_SMALL_ABSMAX",
     "UNDERFLOW_ZERO_FRACTION",
+    "UNHEALTHY_UPDATE_RATIO",
     "Diagnosis",
 ]
 
@@ -65,6 +66,7 @@ DIVERGENCE_JUMP_GRAD_NORM = 20.0  # one-step gradient-norm growth (with the loss
 DIVERGENCE_JUMP_UPDATE_RATIO = (
     0.1  # update-to-weight ratio (100x healthy) that with growth is divergence early
 )
+UNHEALTHY_UPDATE_RATIO = 0.1  # median update-to-weight ratio (100x healthy) of a run that is never "healthy"
 QUIET_DIVERGENCE_GROWTH = 100.0  # output absmax growth for a divergence that has not overflowed yet
 QUIET_DIVERGENCE_LOSS_GROWTH = 10.0  # loss growth for a divergence that has not overflowed yet
 CLIP_OBSERVED_FRACTION = 0.99  # applied grad norm below this fraction of the backward's: the loop clipped

@@ -41,7 +41,11 @@ _MATMUL_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear", "LazyLinear
 def weights_words(module: str, beyond: list[tuple[str, str, float, int]]) -> str:
     """ "`0.weight` absmax 5.887e+06 since step 2; `0.bias` …" for :func:`~nantrace._ranges.weights_beyond`'s rows."""
     prefix = f"{module}." if module else ""
-    return "; ".join(f"`{prefix}{t}` absmax {num(a)} since step {s}" for t, _, a, s in beyond)
+    return "; ".join(
+        f"`{prefix}{t}` absmax {num(a)} "
+        + (f"since step {s}" if s >= 0 else "in the initial weights, from before step 0")
+        for t, _, a, s in beyond
+    )
 
 
 def _has(rows: pd.DataFrame, kind: str) -> bool:

@@ -27,6 +27,7 @@ from ._diagnosis import (
     DIVERGENCE_WINDOW,
     HEALTHY_UPDATE_RATIO,
     QUIET_DIVERGENCE_GROWTH,
+    UNHEALTHY_UPDATE_RATIO,
 )
 from ._explain import overflows
 from ._fmt import module_label, num
@@ -41,6 +42,7 @@ __all__ = [
     "Trend",
     "as_float",
     "divergence",
+    "fast_updates",
     "overflow_from_row",
     "ratio_per_step",
     "trend",
@@ -378,6 +380,7 @@ class DivergenceFacts:
     warmup: tuple[int, float, int, float] | None = None  # (first step, lr, last step, lr) of a rising lr
     weights_steady: bool = False  # the weights grew at least DIVERGENCE_WEIGHT_GROWTH times, not in one jump
     grew: str = "activations and weights grew"  # what the summary says grew
+    last_step: int | None = None  # the last step of the window the rule read
 
 
 def series_of(values: Mapping[int, float], steps: Sequence[int]) -> pd.Series:
@@ -454,7 +457,13 @@ def short_divergence(run: Facts, before: int) -> DivergenceFacts | None:
         if ok
     )
     return DivergenceFacts(
-        True, ev, lr, ratio, warmup_of(run, steps), grew=(grew or "the updates") + " jumped in one step"
+        True,
+        ev,
+        lr,
+        ratio,
+        warmup_of(run, steps),
+        grew=(grew or "the updates") + " jumped in one step",
+        last_step=steps[-1],
     )
 
 
@@ -549,7 +558,47 @@ def divergence(
         grew = "activations and weights grew"
     else:
         grew = "activations grew with fast weight updates (the loss had not risen yet)"
-    return DivergenceFacts(True, ev, lr, ratio, warmup_of(run, steps), steady, grew)
+    return DivergenceFacts(True, ev, lr, ratio, warmup_of(run, steps), steady, grew, t.last_step)
+
+
+def fast_updates(run: Facts) -> DivergenceFacts | None:
+    """Divergence read from the updates alone: the median update-to-weight ratio over the recorded steps is at
+    least :data:`UNHEALTHY_UPDATE_RATIO` (100x the healthy 1e-3: each step changes the weights by a tenth of their
+    size or more), whatever the activations did; ``None`` when it is lower or parameters were not recorded."""
+    ur = update_ratios(run.records)
+    ur = ur[np.isfinite(ur["ratio"].to_numpy(dtype=np.float64))]
+    if not len(ur):
+        return None
+    # weighted by size: a parameter that starts near 0 (a zero-initialised bias) has a large ratio of its own
+    change = (ur["absmax"] - ur["absmax_before"]).abs().groupby(ur["step"]).sum()
+    size = ur["absmax_before"].groupby(ur["step"]).sum()
+    ratios = (change / size).sort_index()
+    ratio = float(ratios.median())
+    if not ratio >= UNHEALTHY_UPDATE_RATIO:
+        return None
+    first, last = int(ratios.index[0]), int(ratios.index[-1])
+    span = f"step {first}" if first == last else f"steps {first}–{last}"
+    ev = [
+        f"update-to-weight ratio (change of the parameters' absmax per step over their absmax, summed over the "
+        f"parameters) was {num(ratio)} (median over {span}), {num(ratio / HEALTHY_UPDATE_RATIO)}× the healthy "
+        f"{HEALTHY_UPDATE_RATIO:g}; at {UNHEALTHY_UPDATE_RATIO:g} or more a run is diverging, not healthy"
+    ]
+    steps = [s for s in run.step_ids if s <= last]
+    loss = series_of(run.loss, steps)
+    if len(loss) >= 2:
+        tail = loss.tail(DIVERGENCE_WINDOW)
+        shown = ", ".join(
+            f"{num(float(v))} (step {int(k)})"
+            for k, v in zip(tail.index.tolist(), tail.tolist(), strict=True)
+        )
+        ev.append(f"loss {shown}")
+    else:
+        ev.append("loss not recorded")
+    lrs = series_of(run.lr, steps)
+    lr = float(lrs.iloc[-1]) if len(lrs) else math.nan
+    ev.append(f"learning rate {num(lr)}" if not math.isnan(lr) else "learning rate not recorded")
+    grew = "each update changes the weights by a tenth of their size or more"
+    return DivergenceFacts(True, ev, lr, ratio, warmup_of(run, steps), grew=grew, last_step=last)
 
 
 def grad_norm_text(grad_norm: Mapping[int, float], steps: Sequence[int]) -> str:

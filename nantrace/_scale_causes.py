@@ -11,6 +11,7 @@ import pandas as pd
 
 from ._causes import bf16_advice, clipping_text, compute_dtype, invalid_op, producer_text, skips_text
 from ._diagnosis import (
+    HEADLINE_MAX,
     UNDERFLOW_FRACTION,
     UNDERFLOW_SMALL_ABSMAX,
     UNDERFLOW_ZERO_FRACTION,
@@ -258,12 +259,6 @@ def underflow(run: Facts) -> Diagnosis | None:
     if frac < UNDERFLOW_FRACTION:
         return None
     names = (g["module"].astype(str) + "." + g["tensor"].astype(str).str.removesuffix(".grad")).to_numpy()
-    worst = (
-        pd.DataFrame({"name": names, "zero": zero_frac, "absmax": absmax})
-        .groupby("name")
-        .agg({"zero": "mean", "absmax": "max"})
-    )
-    worst = worst.sort_values(["zero", "absmax"], ascending=[False, True])
     scales = [v for v in run.scale.values() if not math.isnan(v)]
     scale_text = (
         "no GradScaler (loss scale 1)" if not scales else f"loss scale {num(min(scales))}–{num(max(scales))}"
@@ -276,11 +271,18 @@ def underflow(run: Facts) -> Diagnosis | None:
         f"overall {zeros.sum() / max(numel.sum(), 1):.0%} of parameter-gradient elements were exactly 0",
         scale_text,
     ]
-    for name, row in list(worst.iterrows())[:3]:
-        evidence.append(f"`{name}.grad`: {row['zero']:.0%} zeros, absmax {num(float(row['absmax']))}")
+    evidence += _flushed_lines(names, zero_frac, absmax, flushed)
     fp16_grads = r[(run.phase == "backward") & (dt == "float16")]
     if len(fp16_grads):
         evidence.append(f"largest float16 gradient anywhere: {num(finite_absmax(fp16_grads))}")
+    produced = run.events
+    if produced:
+        kinds = " and ".join(sorted({"NaN" if e.kind == "nan" else "inf" for e in produced}))
+        evidence.insert(
+            0,
+            f"the trace holds {kinds} produced at steps {steps_text([e.step for e in produced])} (first: "
+            f"{producer_text(produced[0])}, step {produced[0].step}), each a step the GradScaler skipped",
+        )
     advice = []
     if not scales:
         advice.append(
@@ -288,20 +290,56 @@ def underflow(run: Facts) -> Diagnosis | None:
             "`scaler.step(optimizer)`, `scaler.update()` — it multiplies the loss (default 65536) so small "
             "gradients stay above float16's subnormal limit 6e-08."
         )
+    elif produced:
+        advice.append(
+            f"The GradScaler lowered the loss scale to {num(min(scales))} because of the overflows at steps "
+            f"{steps_text([e.step for e in produced])}: raising `init_scale` alone brings them back. Remove their "
+            f"cause first ({producer_text(produced[0])}: keep it in float32 or normalise its input), so the "
+            "scaler can keep a scale high enough for the small gradients."
+        )
     else:
         advice.append(
             f"The loss scale ({num(min(scales))}) is too small for these gradients: raise `init_scale` and find why "
-            "the scaler lowered it (an earlier overflow)."
+            "the scaler lowered it."
         )
     advice.append(bf16_advice())
     advice.append(
         "Or keep float32 gradients (autocast rather than `model.half()`), and check the loss is not tiny."
     )
+    lost = f"{frac:.0%} of parameter-gradient tensors lost most of their values."
     summary = (
-        f"No inf/NaN, but float16 gradients flush to zero: {frac:.0%} of parameter-gradient tensors lost most "
-        "of their values."
+        f"Besides the overflows the GradScaler skipped (steps {steps_text([e.step for e in produced])}), float16 "
+        f"gradients flush to zero: {lost}"
+        if produced
+        else f"No inf/NaN, but float16 gradients flush to zero: {lost}"
     )
-    return Diagnosis("gradient_underflow", None, evidence, advice, summary)
+    headline = (
+        f"{frac:.0%} of float16 parameter-gradient tensors flushed to zero ({int(flushed.sum())} of "
+        f"{len(flushed)}), {scale_text}"
+    )
+    return Diagnosis("gradient_underflow", None, evidence, advice, summary, headline=headline[:HEADLINE_MAX])
+
+
+def _flushed_lines(
+    names: np.ndarray, zero_frac: np.ndarray, absmax: np.ndarray, flushed: np.ndarray
+) -> list[str]:
+    """Up to three parameter gradients that were flushed (only rows meeting the rule), most zeros first."""
+    df = pd.DataFrame({"name": names, "zero": zero_frac, "absmax": absmax, "flushed": flushed})
+    total = df.groupby("name")["flushed"].size()
+    worst = (
+        df[df["flushed"]]
+        .groupby("name")
+        .agg(zero=("zero", "mean"), absmax=("absmax", "max"), n=("flushed", "size"))
+    )
+    worst = worst.sort_values(["zero", "absmax"], ascending=[False, True])
+    lines = []
+    seen = dict(zip(total.index.astype(str).tolist(), total.tolist(), strict=True))
+    for name, row in list(worst.iterrows())[:3]:
+        lines.append(
+            f"`{name}.grad`: {row['zero']:.0%} zeros, absmax {num(float(row['absmax']))} (flushed at "
+            f"{int(row['n'])} of {int(seen[str(name)])} recorded steps)"
+        )
+    return lines
 
 
 def outside(run: Facts) -> Diagnosis:
@@ -347,17 +385,20 @@ def healthy(run: Facts) -> Diagnosis:
         )
     ur = update_ratios(run.records)["ratio"].to_numpy(dtype=np.float64)
     ur = ur[np.isfinite(ur)]
+    head = f"{len(run.step_ids)} steps, every recorded value finite"
     if ur.size:
         evidence.append(
             f"update-to-weight ratio (change of a parameter's absmax per step): median {num(float(np.median(ur)))}, "
             f"max {num(float(ur.max()))}"
         )
+        head += f"; median update-to-weight ratio {num(float(np.median(ur)))}"
     return Diagnosis(
         "healthy",
         None,
         evidence,
         [],
         "Healthy: every recorded value was finite and nothing points to a fault.",
+        headline=head[:HEADLINE_MAX],
     )
 
 

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import conftest
+import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -160,7 +161,11 @@ def test_divergence_seen_from_two_steps_of_loss_and_gradient_norm() -> None:
     assert f"loss {num(l0)} (step 0) → {num(l1)} (step 1): ×{num(l1 / l0)} in one step" in d.evidence
     assert f"gradient norm {num(g0)} (step 0) → {num(g1)} (step 1): ×{num(g1 / g0)} in one step" in d.evidence
     assert d.summary.startswith("The run diverged: the loss and the gradient norm jumped in one step")
-    assert d.advice[0].startswith("Lower the learning rate from 0.5")
+    assert d.advice[0].startswith("Lower the (peak) learning rate from 0.5 (the update-to-weight ratio was ")
+    assert (
+        ": try 0.05, and watch the update-to-weight ratio stay near the healthy 0.001; and add a warmup."
+        in (d.advice[0])
+    )
 
 
 def test_two_calm_steps_before_an_overflow_are_not_divergence() -> None:
@@ -470,7 +475,11 @@ def test_the_demos_diagnosis_names_the_learning_rate_and_its_warmup() -> None:
         "blocks.1.attn.scores",
         "inf",
     )
-    assert d.advice[0].startswith("Lower the learning rate from 0.042 (the update ratio was 0.07574")
+    assert d.advice[0].startswith(
+        "Lower the (peak) learning rate from 0.042 (the update-to-weight ratio was 0.07574; healthy is about "
+        "0.001): try 0.0042, and watch the update-to-weight ratio stay near the healthy 0.001."
+    )
+    assert "would give a healthy ratio" not in d.advice[0]
     assert "The loop already warms up (lr 0.028 at step 19 → 0.042 at step 26)" in d.advice[0]
     assert not any("sqrt(head_dim)" in a for a in d.advice)  # the model already scales its scores
     assert (
@@ -489,3 +498,263 @@ def test_the_overflow_text_of_a_mean_over_zero_elements_agrees_with_the_diagnosi
         "Skip such a batch or divide by `count.clamp_min(1)`.",
     ]
     assert "Compute the loss in float32" not in str(ov)
+
+
+# ------------------------------------------------------------------------------------------ new-user check 2
+def _underflow_after_backoff_rows() -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """float16 with a GradScaler: steps 0-2 overflow in the backward of `norm` (skipped, scale 65536 → 16384),
+    steps 3-5 train. `fc`'s two gradients are flushed every step (absmax 1e-05, below float16's smallest
+    normal); `out.weight.grad` has 78% zeros but absmax 45504, which is not flushed."""
+    rows: list[dict[str, object]] = []
+    for s in range(6):
+        if s < 3:
+            rows.append(
+                {"step": s, "phase": "backward", "module": "norm", "tensor": "grad_input[0]", "n_posinf": 2}
+            )
+        for module, tensor, absmax, zeros in (
+            ("fc", "weight.grad", 1e-05, 0),
+            ("fc", "bias.grad", 1e-05, 0),
+            ("out", "weight.grad", 45504.0, 78),
+        ):
+            rows.append(
+                {
+                    "step": s,
+                    "phase": "backward",
+                    "module": module,
+                    "tensor": tensor,
+                    "absmax": absmax,
+                    "absmin": 0.0 if zeros else absmax / 2,
+                    "numel": 100,
+                    "n_zero": zeros,
+                }
+            )
+    steps = [{"step": s, "loss": 1.0, "scale": 65536.0 / 2 ** min(s, 2), "skipped": s < 3} for s in range(6)]
+    return rows, steps
+
+
+def test_underflow_after_skipped_overflows_does_not_say_no_inf_and_lists_only_flushed_gradients() -> None:
+    rows, steps = _underflow_after_backoff_rows()
+    d = diagnose(conftest.frame_view(conftest.records_frame(rows), conftest.steps_frame(steps)))
+    assert d.cause == "gradient_underflow" and d.overflow is None
+    assert "No inf/NaN" not in str(d)
+    assert d.summary == (
+        "Besides the overflows the GradScaler skipped (steps 0–2), float16 gradients flush to zero: 67% of "
+        "parameter-gradient tensors lost most of their values."
+    )
+    assert d.evidence[0] == (
+        "the trace holds inf produced at steps 0–2 (first: the backward of `norm` (Linear) `grad_input[0]`, step 0), "
+        "each a step the GradScaler skipped"
+    )
+    assert "`fc.bias.grad`: 0% zeros, absmax 1e-05 (flushed at 6 of 6 recorded steps)" in d.evidence
+    assert "`fc.weight.grad`: 0% zeros, absmax 1e-05 (flushed at 6 of 6 recorded steps)" in d.evidence
+    assert not any("out.weight.grad" in e for e in d.evidence)
+    assert d.advice[0].startswith(
+        "The GradScaler lowered the loss scale to 16384 because of the overflows at steps 0–2: raising "
+        "`init_scale` alone brings them back."
+    )
+    assert d.headline == (
+        "67% of float16 parameter-gradient tensors flushed to zero (12 of 18), loss scale 16384–65536"
+    )
+    assert str(d).splitlines()[0] == f"nantrace diagnosis: gradient_underflow · {d.headline}"
+
+
+def test_underflow_without_any_inf_keeps_saying_so() -> None:
+    rows, steps = _underflow_after_backoff_rows()
+    rows = [r for r in rows if r["module"] != "norm"]
+    steps = [{**st, "scale": 1024.0, "skipped": False} for st in steps]
+    d = diagnose(conftest.frame_view(conftest.records_frame(rows), conftest.steps_frame(steps)))
+    assert d.cause == "gradient_underflow"
+    assert d.summary.startswith("No inf/NaN, but float16 gradients flush to zero: 67% of")
+    assert d.advice[0] == (
+        "The loss scale (1024) is too small for these gradients: raise `init_scale` and find why the scaler lowered it."
+    )
+    assert (
+        d.headline
+        == "67% of float16 parameter-gradient tensors flushed to zero (12 of 18), loss scale 1024–1024"
+    )
+
+
+def _fast_update_rows(ratio: float) -> pd.DataFrame:
+    """bfloat16, nothing non-finite, flat activations; each step the weight absmax grows by ``ratio``."""
+    rows: list[dict[str, object]] = []
+    for s in range(4):
+        rows.append(
+            {
+                "step": s,
+                "phase": "forward",
+                "module": "fc",
+                "tensor": "output",
+                "absmax": 3.0,
+                "dtype": "bfloat16",
+            }
+        )
+        rows.append(
+            {
+                "step": s,
+                "phase": "optimizer",
+                "module": "fc",
+                "tensor": "weight",
+                "absmax": (1 + ratio) ** s,
+                "dtype": "float32",
+            }
+        )
+    return conftest.records_frame(rows)
+
+
+def test_a_median_update_ratio_of_a_tenth_is_divergence_never_healthy() -> None:
+    losses = [2.94, 1.09, 5.33, 8.22]
+    steps = conftest.steps_frame([{"step": s, "loss": v, "lr": 0.4} for s, v in enumerate(losses)])
+    d = diagnose(conftest.frame_view(_fast_update_rows(0.25), steps))
+    assert d.cause == "divergence" and d.overflow is None
+    assert d.evidence[0] == (
+        "update-to-weight ratio (change of the parameters' absmax per step over their absmax, summed over the "
+        "parameters) was 0.25 (median over steps 1–3), 250× the healthy 0.001; at 0.1 or more a run is diverging, "
+        "not healthy"
+    )
+    assert "loss 2.94 (step 0), 1.09 (step 1), 5.33 (step 2), 8.22 (step 3)" in d.evidence
+    assert d.summary == (
+        "Each update changes the weights by a tenth of their size or more: the run is diverging (no overflow yet); "
+        "the learning rate is too high."
+    )
+    assert d.headline == "diverging, no overflow yet: update-to-weight ratio 0.25 (healthy ≈ 0.001), lr 0.4"
+    assert str(d).splitlines()[0] == f"nantrace diagnosis: divergence · {d.headline}"
+    assert d.advice[0].startswith(
+        "Lower the (peak) learning rate from 0.4 (the update-to-weight ratio was 0.25;"
+    )
+
+
+def test_a_median_update_ratio_below_a_tenth_stays_healthy_with_a_headline() -> None:
+    steps = conftest.steps_frame([{"step": s, "loss": 1.0, "lr": 0.01} for s in range(4)])
+    d = diagnose(conftest.frame_view(_fast_update_rows(0.05), steps))
+    assert d.cause == "healthy"
+    assert d.headline == "4 steps, every recorded value finite; median update-to-weight ratio 0.05"
+    assert str(d).splitlines()[0] == f"nantrace diagnosis: healthy · {d.headline}"
+
+
+def test_the_lr_advice_offers_the_lr_of_the_last_calm_step() -> None:
+    """A warmup 0.01 → 0.4: steps 1-2 update by 0.5% (calm), later steps by 20%, then the forward overflows."""
+    rows: list[dict[str, object]] = []
+    w = 1.0
+    for s in range(6):
+        rows.append(
+            {"step": s, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 10.0 * 4**s}
+        )
+        w *= 1.005 if s <= 2 else 1.2
+        rows.append(
+            {
+                "step": s,
+                "phase": "optimizer",
+                "module": "fc",
+                "tensor": "weight",
+                "absmax": w,
+                "dtype": "float32",
+            }
+        )
+    rows.append(
+        {"step": 6, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 1.0, "n_posinf": 3}
+    )
+    lrs = [0.01, 0.02, 0.03, 0.1, 0.2, 0.4, 0.4]
+    steps = conftest.steps_frame([{"step": s, "loss": 2.0 * 3**s, "lr": lr} for s, lr in enumerate(lrs)])
+    d = diagnose(conftest.frame_view(conftest.records_frame(rows), steps))
+    assert d.cause == "divergence"
+    assert d.advice[0].startswith(
+        "Lower the (peak) learning rate from 0.4 (the update-to-weight ratio was 0.2; healthy is about 0.001): try "
+        "0.04 or 0.03, the lr of step 2, whose update-to-weight ratio was 0.005, and watch the update-to-weight "
+        "ratio stay near the healthy 0.001."
+    )
+
+
+def test_a_divergence_names_the_overflow_it_led_to_not_a_step_0_backoff() -> None:
+    """Step 0 is a routine backoff (skipped, then training resumes); steps 1-7 grow 2x a step; from step 8 on
+    every step overflows in the backward of `fc` and is skipped."""
+    rows: list[dict[str, object]] = []
+    for s in range(16):
+        rows.append(
+            {
+                "step": s,
+                "phase": "forward",
+                "module": "fc",
+                "tensor": "output",
+                "absmax": 10.0 * 2 ** min(s, 8),
+            }
+        )
+        if s == 0 or s >= 8:
+            rows.append(
+                {"step": s, "phase": "backward", "module": "fc", "tensor": "weight.grad", "n_posinf": 1}
+            )
+        else:
+            rows.append(
+                {
+                    "step": s,
+                    "phase": "optimizer",
+                    "module": "fc",
+                    "tensor": "weight",
+                    "absmax": 1.5**s,
+                    "dtype": "float32",
+                }
+            )
+    steps = conftest.steps_frame(
+        [
+            {
+                "step": s,
+                "loss": 2.0 * 2 ** min(s, 8),
+                "lr": 0.5,
+                "scale": 65536.0 / 2 ** (s >= 8) / 2 ** max(s - 8, 0),
+                "skipped": s == 0 or s >= 8,
+            }
+            for s in range(16)
+        ]
+    )
+    d = diagnose(conftest.frame_view(conftest.records_frame(rows), steps))
+    assert d.cause == "divergence"
+    assert d.overflow is not None and (d.overflow.step, d.overflow.phase, d.overflow.module) == (
+        8,
+        "backward",
+        "fc",
+    )
+    assert d.summary == (
+        "The run diverged: activations and weights grew until the backward of `fc` overflowed at step 8; the "
+        "learning rate is too high."
+    )
+
+
+def _loss_fault(scales: list[float]) -> nantrace.Diagnosis:
+    """The loss itself is +inf at every step (outputs finite), each step skipped at the given loss scales."""
+    rows: list[dict[str, object]] = []
+    for s in range(len(scales)):
+        rows.append({"step": s, "phase": "forward", "module": "", "tensor": "output", "absmax": 3.0})
+        rows.append(
+            {
+                "step": s,
+                "phase": "loss",
+                "module": "",
+                "tensor": "loss",
+                "n_posinf": 1,
+                "numel": 1,
+                "dtype": "float32",
+            }
+        )
+    steps = conftest.steps_frame([{"step": s, "scale": v, "skipped": True} for s, v in enumerate(scales)])
+    return diagnose(conftest.frame_view(conftest.records_frame(rows), steps))
+
+
+def test_the_loss_cause_says_the_scale_falls_only_when_it_fell() -> None:
+    flat = _loss_fault([65536.0])
+    assert flat.cause == "loss"
+    assert "GradScaler skipped 1 of 1 steps (0); loss scale 65536 → 65536" in flat.evidence
+    assert not any("the scale falls" in e for e in flat.evidence)
+    fell = _loss_fault([65536.0, 32768.0])
+    assert fell.cause == "loss"
+    assert (
+        "GradScaler skipped 2 of 2 steps (0–1); loss scale 65536 → 32768 — a symptom: the scale falls because the "
+        "loss itself is non-finite, not the gradients"
+    ) in fell.evidence
+
+
+def test_weights_beyond_float16_from_the_initial_weights_name_no_step_minus_one() -> None:
+    from nantrace._explain import weights_words
+
+    assert weights_words("a", [("weight", "float32", 70000.0, -1)]) == (
+        "`a.weight` absmax 70000 in the initial weights, from before step 0"
+    )
+    assert weights_words("a", [("weight", "float32", 70000.0, 3)]) == "`a.weight` absmax 70000 since step 3"
