@@ -102,8 +102,9 @@ class Diagnosis:
             same evidence engine as ``str(overflow)``: ``Overflow.op_class`` of the same event is the same.
             None when there is no event or its phase is ``data``, ``loss`` or ``optimizer``.
         headline: one line of at most 160 characters: who, what, where ("step 28 forward: `blocks.1.attn.scores`
-            (`matmul`) overflowed float16 (+inf)"); for ``healthy``, ``gradient_underflow`` and a divergence
-            that has not overflowed yet, the facts it was decided on; ``""`` for other causes without an event.
+            (`matmul`) overflowed float16 (+inf)"); for ``healthy``, ``gradient_underflow``, a divergence
+            that has not overflowed yet and skips from outside the traced model, the facts it was decided on;
+            ``""`` for other causes without an event.
 
     ``str()`` opens with one line of at most 160 characters (``nantrace diagnosis: <cause>`` and the headline),
     then the summary, evidence and advice as short lines; ``_repr_html_()`` the same as HTML

@@ -363,7 +363,8 @@ def outside(run: Facts) -> Diagnosis:
         f"The GradScaler skipped {len(sk)} step(s), but this model's gradients stayed finite: the overflow came "
         "from outside the traced model (e.g. another model sharing the GradScaler)."
     )
-    return Diagnosis("scaler_backoff", None, evidence, advice, summary)
+    head = f"GradScaler skipped step(s) {steps_text(sk)}; this model's traced gradients stayed finite"
+    return Diagnosis("scaler_backoff", None, evidence, advice, summary, headline=head[:HEADLINE_MAX])
 
 
 def healthy(run: Facts) -> Diagnosis:

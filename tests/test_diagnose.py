@@ -551,6 +551,7 @@ def test_scaler_skips_with_no_nonfinite_value_in_the_model_are_not_blamed_on_it(
         "GradScaler (e.g. a GAN's discriminator), or parameters the optimizer steps that are not in it",
     ]
     assert d.advice[0].startswith("Nothing to fix in this model.")
+    assert d.headline == "GradScaler skipped step(s) 1–2; this model's traced gradients stayed finite"
     # without the backward recorded nothing proves the gradients finite: not this rule
     assert "outside the traced model" not in diagnose(_shared_scaler_run(["forward"])).summary
 
