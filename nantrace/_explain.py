@@ -163,7 +163,8 @@ def _forward_head(ev: Event, op_dtype: str | None = None) -> tuple[str, bool]:
     elif ev.op is not None:
         made_in = op_dtype or str(f["dtype"])
         out = "" if made_in == str(f["dtype"]) else f"; the call's output is {f['dtype']}"
-        at = f"`{ev.op}` inside its forward ({made_in}{out})"
+        line = f" at {ev.source}" if ev.source else ""
+        at = f"`{ev.op}`{line} inside its forward ({made_in}{out})"
     else:
         at = f"its `{f['tensor']}` ({f['dtype']})"
     who = module_label(str(f["module"]))
@@ -330,6 +331,19 @@ def _backward_tail(ev: Event, scale: float, name: str) -> str:
     return f" Keep {name} in float32 or clip/rescale what flows into it."
 
 
+def _discarded(ev: Event) -> str:
+    """For a backward NaN: the forward op whose non-finite value the call's output discarded (``ops.reaches``
+    False), named by the locator as the event's op; one line, or "" when there is none."""
+    if ev.op is None:
+        return ""
+    line = f" at {ev.source}" if ev.source else ""
+    return (
+        f"\nIts forward held a non-finite value made by `{ev.op}`{line} that the forward discarded (the output is "
+        f"the same whatever finite value it had); the backward still goes through `{ev.op}`, whose derivative "
+        "there is not finite, and the zero gradient the discarding sends back times it is NaN."
+    )
+
+
 def _backward(view: RunView, ev: Event) -> str:
     ov = Overflow(**ev.fields)
     return headline(ov, op_evidence(view, ov)) + "\n" + _backward_body(ev)
@@ -363,7 +377,7 @@ def _backward_body(ev: Event) -> str:
         return (
             f"At {_where(ev)}, the backward of {name} ({f['module_type']}) turned {incoming} into NaN in "
             f"`{tensor}` ({dtype}): an invalid operation in its backward (0·inf, inf−inf, 0/0, sqrt/log of a "
-            f"negative).\n{tail.strip()}"
+            f"negative).{_discarded(ev)}\n{tail.strip()}"
         )
     return (
         f"At {_where(ev)}, the backward of {name} ({f['module_type']}) turned {incoming} into "

@@ -21,18 +21,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
+from ._drill import CAST_OP, FirstNonfinite, Suspects, drill_call
 from ._naming import positional_names
-from ._opfacts import named_operands, note_vanished, operand_facts
 from ._schema import PHASE_CODE
-from ._stats import describable, is_clean_host, op_input_kinds, stats_device, stats_host, tensor_kinds
+from ._stats import describable, is_clean_host, stats_device, stats_host
 from ._store import PendingStep, Store
-from ._tree import clone_tree, flatten
+from ._tree import flatten
 
-__all__ = ["FirstNonfinite", "Recorder", "eager", "in_backward", "kinds_of_stats"]
+__all__ = ["CAST_OP", "FirstNonfinite", "Recorder", "eager", "in_backward", "kinds_of_stats"]
 
 _KIND_COLS = ((4, "nan"), (5, "posinf"), (6, "neginf"))
 _CLEAN: frozenset[str] = frozenset()
@@ -45,79 +43,6 @@ def kinds_of_stats(stats: Any) -> frozenset[str] | None:
     if not (stats[4] or stats[5] or stats[6]):
         return _CLEAN
     return frozenset(k for i, k in _KIND_COLS if stats[i] > 0)
-
-
-class _Stop(Exception):
-    pass
-
-
-class FirstNonfinite(TorchFunctionMode):
-    """Replays a forward and stops at the first torch op that *produced* a kind not in ``known`` (the module
-    call's input kinds): one of its outputs holds it and none of its inputs did, a non-finite scalar argument
-    counting as an input (:func:`nantrace._stats.op_input_kinds`, the rule of :func:`nantrace.hunt`). So
-    ``masked_fill(mask, -inf)`` does not produce its -inf, while ``softmax`` of a fully masked row produces
-    NaN. ``found`` is ``(op name, kind)``; of several new kinds, inf is named before NaN (NaN follows from inf)."""
-
-    def __init__(self, known: frozenset[str]) -> None:
-        super().__init__()
-        self.known = known
-        self.found: tuple[str, str] | None = None
-        # the producing op's operands (copies of in-place ones, taken before the op) and result, kept only until
-        # the replay ends, when operand_facts() turns them into numbers
-        self.operands: list[tuple[str, Any]] = []
-        self.result: torch.Tensor | None = None
-        self.vanished: dict[
-            float, str
-        ] = {}  # non-zero scalar constants that round to 0 in their tensor's dtype
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        tensors, before = op_input_kinds(
-            args, kwargs
-        )  # before the op runs: an in-place op overwrites its input
-        name = getattr(func, "__name__", None) or str(func)
-        if tensors:
-            note_vanished(self.vanished, args, kwargs, tensors[0].dtype)
-        inplace = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
-        snap = [t.clone() for t in tensors] if inplace else None
-        out = func(*args, **kwargs)
-        for _, t in flatten(out, "out"):
-            if not describable(t):
-                continue
-            new = tensor_kinds(t) - before - self.known
-            if new:
-                self.found = (name, next(k for k in ("posinf", "neginf", "nan") if k in new))
-                self.operands = named_operands(args, kwargs, snap)
-                self.result = t
-                raise _Stop
-        return out
-
-
-CAST_OP = "aten._to_copy"  # the name the drill-down gives a dtype cast it saw make a kind (autocast's casts)
-
-
-class CastWatch(TorchDispatchMode):
-    """The dispatch-level half of the drill-down: autocast casts a float32 weight to float16 below
-    ``__torch_function__`` (``linear`` is one op there), as ``aten._to_copy``. A cast whose output holds a
-    kind that its input and the call's inputs (``known``) did not is the producing op: ``found`` becomes
-    ``(CAST_OP, kind)`` (inf before NaN) and the replay stops. Every other aten op is passed through."""
-
-    def __init__(self, known: frozenset[str]) -> None:
-        super().__init__()
-        self.known = known
-        self.found: tuple[str, str] | None = None
-        self.operands: list[tuple[str, Any]] = []
-        self.result: torch.Tensor | None = None
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and args and describable(args[0]) and describable(out):
-            new = tensor_kinds(out) - tensor_kinds(args[0]) - self.known
-            if new:
-                self.found = (CAST_OP, next(k for k in ("posinf", "neginf", "nan") if k in new))
-                self.operands, self.result = [("input", args[0])], out
-                raise _Stop
-        return out
 
 
 def in_backward() -> bool:
@@ -157,6 +82,8 @@ class Recorder:
         self.own_code: set[tuple[int, int]] = (
             set()
         )  # (module code, call) whose own code made a kind first seen
+        self.suspects = Suspects()  # the cheap signals of a transient inf in a finite call
+        self.covered: set[tuple[int, int]] = set()  # open calls around a call that named a transient value
         self.sync_free = sync_free
         self.phases = record_phases
         self.active = False
@@ -284,6 +211,7 @@ class Recorder:
         self.cache.clear()
         self.seen_kinds.clear()
         self.own_code.clear()
+        self.covered.clear()
 
     def end_step(self, mask_rule: Any) -> None:
         """Close the open step: one host copy, a ``steps`` row, and drop this step's tensor hooks."""
@@ -316,41 +244,24 @@ class Recorder:
         known: frozenset[str],
         mcode: int,
         call: int,
-    ) -> None:
-        """Re-run ``module`` on copies of the same inputs and of its buffers (``torch.func.functional_call``),
-        with recording off, no autograd and the CPU RNG state forked, to find the first torch op that made a new
-        non-finite kind, at the ``__torch_function__`` level (:class:`FirstNonfinite`) and, for dtype casts
-        such as autocast's, at the dispatch level (:class:`CastWatch`, which sees the cast first). The user's
-        tensors, buffers and RNG state are not touched.
-
-        Only used on the host path (CPU tensors), only for the call where a kind first appears in a
-        micro-step. Best effort: any error during the replay is swallowed and nothing is recorded.
-        """
-        buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-        # detached parameters: autocast caches its casts of leaf parameters that require grad, and a cached
-        # cast is not run again, so the replay would not see autocast cast a weight beyond the dtype's max
-        buffers.update((name, p.detach()) for name, p in module.named_parameters())
-        mode, cast = FirstNonfinite(known), CastWatch(known)
+        *,
+        transient: bool = False,
+        micro: int | None = None,
+    ) -> bool:
+        """Replay the call on copies of its inputs and buffers with recording off (:func:`nantrace._drill.drill_call`,
+        host path only; best effort) and add an ``ops`` row for the op that made a new kind, with the user's
+        source line and ``reaches`` (``transient``: the output was finite). True when an op was named."""
         self.active = False
         try:
-            with torch.random.fork_rng(devices=[]), torch.no_grad():
-                args_c, kwargs_c = clone_tree(args), clone_tree(kwargs)
-                with mode, cast:
-                    torch.func.functional_call(module, buffers, tuple(args_c), dict(kwargs_c), strict=False)
-        except Exception:
-            pass
+            found = drill_call(module, args, kwargs, known, transient=transient)
         finally:
             self.active = True
-        found = cast.found or mode.found
-        if found is not None:
-            op, kind = found
-            watch = cast if cast.found else mode
-            try:
-                facts = operand_facts(watch.operands, watch.result, mode.vanished)
-            except Exception:  # best effort, like the replay itself: the op is still named
-                facts = ""
-            self.store.ops.append((self.step, max(self.micro, 0), mcode, call, op, kind, facts))
-        mode.operands, mode.result, cast.operands, cast.result = [], None, [], None
+        if found is None:
+            return False
+        op, kind, facts, line, reaches = found
+        micro = max(self.micro, 0) if micro is None else micro
+        self.store.ops.append((self.step, micro, mcode, call, op, kind, facts, line, reaches))
+        return True
 
     def maybe_drill(
         self,
@@ -362,23 +273,31 @@ class Recorder:
         versions: tuple[int, ...],
         mcode: int,
         call: int,
-        where: tuple[str, int, int] | None = None,
+        where: tuple[str, int, int, Any] | None = None,
     ) -> bool:
-        """Replay the call (:meth:`replay`) when its output holds a kind first seen in the micro-step, or when a
-        kind first appeared at one of its children's inputs (its own code made it), and its inputs were not
-        modified in place by the call. True when it replayed. ``where`` = ``(input phase, module type code,
-        parent code)``: on a light step the replayed call's inputs then get rows (:func:`_light_inputs`)."""
+        """Replay the call (:meth:`replay`) when its inputs were not modified in place by it and its output holds a
+        kind first seen in the micro-step, or a child's input did (its own code made it), or its output is finite
+        but the recorded signals point to a transient inf (:class:`~nantrace._drill.Suspects`). True when it
+        replayed for a kind. ``where`` = ``(input phase, module type code, parent code, output)``: on a light
+        step the replayed call's inputs get rows (:func:`_light_inputs`)."""
         own = (mcode, call) in self.own_code
         new_kind = bool(out_kinds) and not (out_kinds or frozenset()) <= self.seen_kinds
-        if in_kinds is None or not self.drill or not (new_kind or own):
+        if in_kinds is None or not self.drill:
             return False
-        now = tuple(_version(t) for _, t in [*flatten(args, "i"), *flatten(kwargs, "i")])
-        if now != versions:  # inputs modified in place by the call: a replay would not be faithful
+        ins = [*flatten(args, "input"), *flatten(kwargs, "input")]
+        if not (new_kind or own):  # a finite call: replayed only when the signals point to a transient inf
+            out = where[3] if where is not None and not out_kinds else None
+            transient = out is not None and (mcode, call) not in self.covered
+            cached = functools.partial(_cached, self.cache)
+            suspect = transient and self.suspects.check(mcode, ins, out, cached) and _same(ins, versions)
+            if suspect and self.replay(module, args, kwargs, in_kinds, mcode, call, transient=True):
+                self.covered.update(k[:2] for k in self.stack)  # the calls around it see the same value
+            return False
+        if not _same(ins, versions):  # inputs modified in place by the call: a replay would not be faithful
             return False
         self.replay(module, args, kwargs, in_kinds, mcode, call)
         if self.light and where is not None and where[0] in self.phases:
-            items = [*flatten(args, "input"), *flatten(kwargs, "input")]
-            _light_inputs(self, where[0], mcode, where[1], call, items, where[2], positional_names(module))
+            _light_inputs(self, where[0], mcode, where[1], call, ins, where[2], positional_names(module))
         return True
 
     # ------------------------------------------------------------ hook factories
@@ -519,7 +438,7 @@ class Recorder:
                     self.last_kinds = frozenset()
                     self.add("forward", mcode, tcode, call, path, t, is_grad=False, parent=parent)
                     out_kinds = _union(out_kinds, self.last_kinds)
-                where = ("data" if is_root else "forward", tcode, parent)
+                where = ("data" if is_root else "forward", tcode, parent, output)
                 self.maybe_drill(module, args, kwargs, out_kinds, in_kinds, versions, mcode, call, where)
                 if out_kinds:
                     self.seen_kinds |= out_kinds
@@ -548,6 +467,17 @@ def _light_inputs(
             rec.add(phase, mcode, tcode, call, path, t, is_grad=False, parent=parent, arg=_arg(path, names))
     finally:
         rec.light = True
+
+
+def _cached(cache: dict[int, Any], t: torch.Tensor) -> Any:
+    """The statistics the step computed for ``t`` while unchanged (the Recorder's cache), or None."""
+    hit = cache.get(id(t))
+    return hit[2] if hit is not None and hit[0]() is t and hit[1] == _version(t) else None
+
+
+def _same(items: list[tuple[str, torch.Tensor]], versions: tuple[int, ...]) -> bool:
+    """The tensors of ``items`` still have the ``versions`` they had when the call began (no in-place change)."""
+    return tuple(_version(t) for _, t in items) == versions
 
 
 def _union(a: frozenset[str] | None, b: frozenset[str] | None) -> frozenset[str] | None:

@@ -57,7 +57,16 @@ import pandas as pd
 from ._masks import is_mask
 from ._schema import PHASE_RANK, DType
 
-__all__ = ["KIND_PRIORITY", "Event", "Finding", "by_priority", "find", "overflow_fields", "rank_events"]
+__all__ = [
+    "KIND_PRIORITY",
+    "Event",
+    "Finding",
+    "by_priority",
+    "find",
+    "overflow_fields",
+    "rank_events",
+    "reaching",
+]
 
 
 @dataclass(frozen=True)
@@ -67,11 +76,13 @@ class Event:
     Attributes:
         fields: the :class:`~nantrace.Overflow` fields ``step .. dtype`` (producer attributed).
         raw_kind: ``"nan"``, ``"posinf"`` or ``"neginf"``.
-        op: the torch op the forward drill-down named inside the producing call, or None.
+        op: the torch op the forward drill-down named inside the producing call, or None; for a NaN made in
+            backward, the forward op whose non-finite value the call discarded (``ops.reaches`` False).
         row: the record row where the value was first seen.
         step_rows: that rank's local rows of the step (what the explanation reads).
         rank: the rank whose rows hold it.
         received: True when the rank holds it only in reduced rows (it came through the reduction).
+        source: the user's ``path:line`` that ran ``op`` (the drill-down's ``ops.source``), or None.
     """
 
     fields: dict[str, Any]
@@ -81,6 +92,7 @@ class Event:
     step_rows: pd.DataFrame = field(compare=False)
     rank: int
     received: bool
+    source: str | None = None
 
     @property
     def key(self) -> tuple[int, int, int, int, int]:
@@ -130,12 +142,22 @@ def _ordered(step_df: pd.DataFrame) -> pd.DataFrame:
     return step_df.sort_values("seq", kind="stable")
 
 
+def reaching(ops: pd.DataFrame | None) -> pd.DataFrame | None:
+    """The drill-down ops whose value changed what their call computed: a value that a selection discarded
+    (``reaches`` False: the call's output is the same whatever finite value it had) is not a forward fault.
+    Traces recorded before the column existed only named ops whose values reached a boundary."""
+    if ops is None or "reaches" not in ops.columns or not len(ops):
+        return ops
+    return ops[ops["reaches"].to_numpy(dtype=bool)]
+
+
 def _op_rows(
     df: pd.DataFrame, wanted: tuple[str, ...], ops: pd.DataFrame | None
 ) -> dict[int, tuple[str, str]]:
     """Row position (in ``df``) of the output of each module call where the drill-down named an op -> (kind, op):
     the first output row holding that kind, or the call's first output when no output holds it."""
     extra: dict[int, tuple[str, str]] = {}
+    ops = reaching(ops)
     if ops is None or not len(ops):
         return extra
     tensors = df["tensor"].astype(str).to_numpy().astype(str)
@@ -273,6 +295,7 @@ def _candidates(records: pd.DataFrame, wanted: tuple[str, ...], ops: pd.DataFram
     for k in wanted:
         hit |= records[f"n_{k}"].to_numpy() > 0
     steps = set(np.unique(records["step"].to_numpy()[hit]).tolist())
+    ops = reaching(ops)
     if ops is not None and len(ops):
         steps |= set(ops.loc[ops["kind"].isin(wanted), "step"].tolist())
     return sorted(int(s) for s in steps)
@@ -337,7 +360,40 @@ def _step_event(
             & (step_ops["kind"] == k)
         ]
         op = str(mine["op"].iloc[0]) if len(mine) else None
-    return Event(overflow_fields(row, k, who), k, op, row, step_local, rank, received)
+    if op is None and step_ops is not None and str(row["phase"]) == "backward":
+        op = _discarded_op(step_ops, who, int(row["micro_step"]))
+    line = _source_of(step_ops, who, int(row["micro_step"]), op)
+    return Event(overflow_fields(row, k, who), k, op, row, step_local, rank, received, line)
+
+
+def _source_of(
+    step_ops: pd.DataFrame | None, who: tuple[str, str, int, str], micro: int, op: str | None
+) -> str | None:
+    """The user's source line the drill-down noted for ``op`` in the producing call (``ops.source``)."""
+    if op is None or step_ops is None or "source" not in step_ops.columns:
+        return None
+    mine = step_ops[
+        (step_ops["module"].astype(str) == who[0])
+        & (step_ops["call"] == who[2])
+        & (step_ops["micro_step"] == micro)
+        & (step_ops["op"].astype(str) == op)
+    ]
+    lines = [v for v in mine["source"].tolist() if isinstance(v, str)]
+    return lines[0] if lines else None
+
+
+def _discarded_op(step_ops: pd.DataFrame, who: tuple[str, str, int, str], micro: int) -> str | None:
+    """For a NaN made in backward: the op of the producing call's forward whose non-finite value its output
+    discarded (``reaches`` False), which the backward then turned into NaN (0·inf of ``where``'s backward)."""
+    if "reaches" not in step_ops.columns:
+        return None
+    mine = step_ops[
+        (step_ops["module"].astype(str) == who[0])
+        & (step_ops["call"] == who[2])
+        & (step_ops["micro_step"] == micro)
+        & ~step_ops["reaches"].to_numpy(dtype=bool)
+    ]
+    return str(mine["op"].iloc[0]) if len(mine) else None
 
 
 def find(

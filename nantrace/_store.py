@@ -264,7 +264,7 @@ class Store:
         self.chunks: list[dict[str, np.ndarray]] = []
         self.step_rows = StepRows()
         # first op inside a module call that made a new non-finite kind (forward replay, host path)
-        self.ops: list[tuple[int, int, int, int, str, str, str]] = []
+        self.ops: list[tuple[int, int, int, int, str, str, str, str | None, bool]] = []
         self.samples_host: list[np.ndarray] = []
         self._records: pd.DataFrame | None = None
         self._steps: pd.DataFrame | None = None
@@ -399,10 +399,7 @@ class Store:
             stale_grads=rows[0]["stale_grads"],  # later forwards were micro-steps accumulating into .grad
         )
         self.step_rows.replace_head(count, merged)
-        self.ops = [
-            (0, m + offsets.get(s, 0), c, call, op, k, f) if s < count else (s, m, c, call, op, k, f)
-            for s, m, c, call, op, k, f in self.ops
-        ]
+        self.ops = [(0, r[1] + offsets.get(r[0], 0), *r[2:]) if r[0] < count else r for r in self.ops]
         self._records = None
         self._steps = None
 
@@ -591,11 +588,15 @@ class Store:
         return pd.DataFrame(data, columns=list(RECORD_COLUMNS))
 
     def ops_frame(self) -> pd.DataFrame:
-        """``step, micro_step, module, call, op, kind, operands``: the first torch op inside a module call that
-        produced a new non-finite kind (``nan``, ``posinf``, ``neginf``), found by replaying that call's forward,
-        and the facts of its operands (JSON text, :mod:`nantrace._opfacts`; ``""`` when they could not be read)."""
-        rows = [(s, m, self.modules.values[c], call, op, k, f) for s, m, c, call, op, k, f in self.ops]
-        return pd.DataFrame(rows, columns=["step", "micro_step", "module", "call", "op", "kind", "operands"])
+        """``step, micro_step, module, call, op, kind, operands, source, reaches``: the first torch op inside a
+        module call that produced a new non-finite kind (``nan``, ``posinf``, ``neginf``), found by replaying that
+        call's forward; ``operands``: the facts of its operands (JSON text, :mod:`nantrace._opfacts`; ``""`` when
+        they could not be read); ``source``: the user's ``path:line`` that ran it (None when not known, e.g.
+        autocast's cast); ``reaches``: False for a value the call's output does not depend on (a selection
+        discarded it)."""
+        rows = [(s, m, self.modules.values[c], *rest) for s, m, c, *rest in self.ops]
+        cols = ["step", "micro_step", "module", "call", "op", "kind", "operands", "source", "reaches"]
+        return pd.DataFrame(rows, columns=cols).astype({"reaches": bool})
 
     def steps(self) -> pd.DataFrame:
         """One row per closed step, columns :data:`STEP_COLUMNS`."""

@@ -53,7 +53,19 @@ def test_hand_layernorm_variance_overflow_is_internal_and_named_with_its_line() 
     assert torch.isfinite(out).all() and out.abs().max().item() == 0.0  # finite zeros: nothing to see
     with nantrace.trace(m) as tr:
         m(x)
-    assert tr.first_overflow() is None  # module boundaries show nothing
+    # module boundaries show nothing, but the input beyond sqrt(65504) makes the drill-down replay the call
+    # and name the transient inf that rsqrt turned into zeros (issue 17 kind 3)
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.phase, ov.module, ov.tensor, ov.kind) == (
+        "forward",
+        "norm",
+        "output",
+        "inf",
+    )
+    line = f"{MODELS_FILE}:{line_of(HandLayerNorm.forward, '** 2')}"
+    assert tr.ops[["module", "op", "kind", "source", "reaches"]].values.tolist() == [
+        ["norm", "pow", "posinf", line, True]
+    ]
     c = nantrace.hunt(m, x)
     assert c is not None
     assert (c.op, c.module, c.module_type, c.phase, c.kind, c.value) == (

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
         [
             "_stats",
             "_store",
+            "_drill",
             "_hooks",
             "_capture",
             "_procgroup",

@@ -115,8 +115,10 @@ def test_light_step_names_the_op_and_its_inputs_as_a_full_step_does() -> None:
     rec = light.records
     ins = rec[(rec["step"] == 1) & (rec["tensor"] == "input[0]")]
     assert ins[["phase", "module", "absmax", "n_posinf"]].values.tolist() == [["data", "", 300.0, 0]]
+    code = Scores.forward.__code__
+    line = f"{code.co_filename}:{code.co_firstlineno + 1}"
     assert (
-        "produced +inf in `matmul` inside its forward (float16), from finite inputs (input absmax 300)"
+        f"produced +inf in `matmul` at {line} inside its forward (float16), from finite inputs (input absmax 300)"
         in str(ov_light)
     )
     assert str(ov_light) == str(ov_full)

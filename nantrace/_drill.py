@@ -1,0 +1,302 @@
+"""The forward drill-down: replay one module call at op level to name the torch op that made a non-finite value.
+
+A replay re-runs a module call on copies of its inputs and buffers with autograd off and the CPU RNG state forked
+(:func:`replay_call`); the user's tensors, buffers and RNG state are not touched. It is used on the host path
+(CPU tensors) only, where reading a value costs no device synchronisation.
+
+* :class:`FirstNonfinite` stops at the first ``__torch_function__`` op that *produced* a kind (NaN, +inf, -inf):
+  one of its outputs holds it and none of its inputs did, a non-finite scalar argument counting as an input
+  (``masked_fill(m, -inf)`` does not produce its -inf). It notes the op's position in the call and the user's
+  source line that ran it (:func:`user_line`).
+* :class:`CastWatch` is the dispatch-level half: autocast casts a float32 weight to float16 below
+  ``__torch_function__`` (``linear`` is one op there), as ``aten._to_copy``.
+* :func:`reaches_output` decides whether an op's non-finite value changed what the call computed: the call is
+  replayed with that op's non-finite elements replaced by finite values (0, the dtype's max, minus its max) and
+  the outputs are compared. A value that a selection discards (``where``, ``masked_fill``, indexing) leaves the
+  output the same whatever finite value it had; a *transient* inf that never left the call but was turned into a
+  finite value (``rsqrt(inf) = 0``, ``x / inf = 0``, ``tanh(inf) = 1``) does not.
+
+A call is replayed when its output first holds a kind, when a child's input does (its own code made it), or when
+the cheap recorded signals of a finite call point to a transient inf (:class:`Suspects`: more zeros out than
+in, an input beyond the square root of its dtype's max).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._opfacts import named_operands, note_vanished, operand_facts
+from ._stats import describable, op_input_kinds, tensor_kinds
+from ._tree import clone_tree, flatten
+
+__all__ = [
+    "CAST_OP",
+    "CastWatch",
+    "FirstNonfinite",
+    "Found",
+    "Substitute",
+    "Suspects",
+    "drill_call",
+    "headroom_fraction",
+    "reaches_output",
+    "replay_call",
+    "user_line",
+    "zero_fraction",
+]
+
+CAST_OP = "aten._to_copy"  # the name the drill-down gives a dtype cast it saw make a kind (autocast's casts)
+_ORDER = ("posinf", "neginf", "nan")  # of several new kinds, inf is named before NaN (NaN follows from inf)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_EXAMPLES_DIR = _OWN_DIR + "examples" + os.sep
+
+
+class Stop(Exception):
+    """Raised inside a replay to stop it at the producing op."""
+
+
+Found = tuple[str, str, int, str | None]  # (op name, kind, position of the op in the call, source line)
+
+
+def user_line() -> str | None:
+    """``path:line`` of the innermost frame outside torch and nantrace (nantrace's ``examples`` count as user
+    code): the line of the user's code that called the op; None when there is none."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = os.path.abspath(frame.f_code.co_filename)
+        if name.startswith(_EXAMPLES_DIR) or not (name.startswith(_TORCH_DIR) or name.startswith(_OWN_DIR)):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+class FirstNonfinite(TorchFunctionMode):
+    """Replays a forward and stops at the first torch op that *produced* a kind not in ``known`` (the module
+    call's input kinds): one of its outputs holds it and none of its inputs did, a non-finite scalar argument
+    counting as an input (:func:`nantrace._stats.op_input_kinds`, the rule of :func:`nantrace.hunt`).
+    ``found`` is ``(op name, kind, position, source line)``; of several new kinds, inf is named before NaN."""
+
+    def __init__(self, known: frozenset[str]) -> None:
+        super().__init__()
+        self.known = known
+        self.found: Found | None = None
+        self.index = 0
+        # the producing op's operands (copies of in-place ones, taken before the op) and result, kept only until
+        # the replay ends, when operand_facts() turns them into numbers
+        self.operands: list[tuple[str, Any]] = []
+        self.result: torch.Tensor | None = None
+        self.vanished: dict[
+            float, str
+        ] = {}  # non-zero scalar constants that round to 0 in their tensor's dtype
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        tensors, before = op_input_kinds(
+            args, kwargs
+        )  # before the op runs: an in-place op overwrites its input
+        name = getattr(func, "__name__", None) or str(func)
+        if tensors:
+            note_vanished(self.vanished, args, kwargs, tensors[0].dtype)
+        inplace = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+        snap = [t.clone() for t in tensors] if inplace else None
+        out = func(*args, **kwargs)
+        self.index += 1
+        for _, t in flatten(out, "out"):
+            if not describable(t):
+                continue
+            new = tensor_kinds(t) - before - self.known
+            if new:
+                kind = next(k for k in _ORDER if k in new)
+                self.found = (name, kind, self.index - 1, user_line())
+                self.operands, self.result = named_operands(args, kwargs, snap), t
+                raise Stop
+        return out
+
+
+class CastWatch(TorchDispatchMode):
+    """The dispatch-level half of the drill-down: autocast casts a float32 weight to float16 below
+    ``__torch_function__`` (``linear`` is one op there), as ``aten._to_copy``. A cast whose output holds a
+    kind that its input and the call's inputs (``known``) did not is the producing op: ``found`` becomes
+    ``(CAST_OP, kind, -1, None)`` (inf before NaN) and the replay stops. Every other aten op is passed through."""
+
+    def __init__(self, known: frozenset[str]) -> None:
+        super().__init__()
+        self.known = known
+        self.found: Found | None = None
+        self.operands: list[tuple[str, Any]] = []
+        self.result: torch.Tensor | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args and describable(args[0]) and describable(out):
+            new = tensor_kinds(out) - tensor_kinds(args[0]) - self.known
+            if new:
+                self.found = (CAST_OP, next(k for k in _ORDER if k in new), -1, None)
+                self.operands, self.result = [("input", args[0])], out
+                raise Stop
+        return out
+
+
+class Substitute(TorchFunctionMode):
+    """Replays a forward with the non-finite elements of the output of op number ``at`` (the position
+    :class:`FirstNonfinite` counted) replaced by ``times`` × the output dtype's max (0, the max, minus it)."""
+
+    def __init__(self, at: int, times: float) -> None:
+        super().__init__()
+        self.at = at
+        self.times = times
+        self.index = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.index += 1
+        if self.index - 1 != self.at or not (isinstance(out, torch.Tensor) and describable(out)):
+            return out
+        value = self.times * float(torch.finfo(out.dtype).max)
+        return torch.where(torch.isfinite(out), out, torch.full_like(out, value))
+
+
+def replay_call(module: torch.nn.Module, args: Any, kwargs: Any, *modes: Any) -> Any:
+    """Run ``module`` on copies of ``args``/``kwargs`` and of its buffers (``torch.func.functional_call``) under
+    ``modes``, with autograd off and the CPU RNG state forked; the call's output, or None when a mode stopped
+    it or it raised (best effort: a replay never raises)."""
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    # detached parameters: autocast caches its casts of leaf parameters that require grad, and a cached
+    # cast is not run again, so the replay would not see autocast cast a weight beyond the dtype's max
+    buffers.update((name, p.detach()) for name, p in module.named_parameters())
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            args_c, kwargs_c = clone_tree(args), clone_tree(kwargs)
+            with ExitStack() as stack:
+                for m in modes:
+                    stack.enter_context(m)
+                return torch.func.functional_call(
+                    module, buffers, tuple(args_c), dict(kwargs_c), strict=False
+                )
+    except Exception:
+        return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    ta = [t for _, t in flatten(a, "o") if describable(t)]
+    tb = [t for _, t in flatten(b, "o") if describable(t)]
+    if len(ta) != len(tb):
+        return False
+    for x, y in zip(ta, tb, strict=True):
+        if x.shape != y.shape or not bool(((x == y) | (torch.isnan(x) & torch.isnan(y))).all()):
+            return False
+    return True
+
+
+def reaches_output(module: torch.nn.Module, args: Any, kwargs: Any, at: int) -> bool:
+    """True when the non-finite value made by op number ``at`` of the call changes the call's output: replayed
+    with that op's non-finite elements set to 0, to its dtype's max and to minus its max, some output differs
+    from the call's own. False when every replay gives the same output (a selection discarded the value) or
+    when the call cannot be replayed."""
+    base = replay_call(module, args, kwargs)
+    if base is None:
+        return False
+    for times in (0.0, 1.0, -1.0):
+        other = replay_call(module, args, kwargs, Substitute(at, times))
+        if other is not None and not _same(base, other):
+            return True
+    return False
+
+
+def headroom_fraction(items: list[tuple[str, Any]], stats_of: Callable[[Any], Any]) -> float | None:
+    """The largest ``log2(absmax) / log2(dtype max)`` over the describable float16/bfloat16/float32 tensors of
+    ``items`` (their host statistics, index 2 is ``absmax``): above 0.5 squaring the tensor overflows its
+    dtype. None when a statistic is missing."""
+    best = 0.0
+    for _, t in items:
+        if not describable(t):
+            continue
+        s = stats_of(t)
+        if s is None or isinstance(s, torch.Tensor):
+            return None
+        absmax = float(s[2])
+        if absmax > 1.0 and math.isfinite(absmax):
+            best = max(best, math.log2(absmax) / math.log2(float(torch.finfo(t.dtype).max)))
+    return best
+
+
+def drill_call(
+    module: torch.nn.Module, args: Any, kwargs: Any, known: frozenset[str], *, transient: bool = False
+) -> tuple[str, str, str, str | None, bool] | None:
+    """``(op, kind, operand facts, source line, reaches)`` of the first op of the call that made a kind not in
+    ``known`` (:class:`FirstNonfinite`, with :class:`CastWatch` for dtype casts), or None. The operand facts are
+    the JSON text of :func:`nantrace._opfacts.operand_facts` (``""`` when they could not be read). ``transient``:
+    the call's output was finite, so ``reaches`` says whether the op's value changed it
+    (:func:`reaches_output`); else it is True."""
+    mode, cast = FirstNonfinite(known), CastWatch(known)
+    replay_call(module, args, kwargs, mode, cast)
+    found = cast.found or mode.found
+    if found is None:
+        return None
+    op, kind, at, line = found
+    watch = cast if cast.found else mode
+    try:
+        facts = operand_facts(watch.operands, watch.result, mode.vanished)
+    except Exception:  # best effort, like the replay itself: the op is still named
+        facts = ""
+    # nothing of the replay is kept once its facts are numbers
+    mode.operands, mode.result, cast.operands, cast.result = [], None, [], None
+    reaches = reaches_output(module, args, kwargs, at) if transient and at >= 0 else True
+    return op, kind, facts, line, reaches
+
+
+class Suspects:
+    """The cheap signals that a finite module call may hide a transient inf, read from the statistics already
+    computed (none where they were not recorded). Each signal counts only at a new high for the module, so a
+    module is replayed a few times in a run, not at every step:
+
+    * its output holds a larger fraction of zeros than its inputs (the silent zeros of ``rsqrt(inf) = 0``,
+      ``x / inf = 0``, ``exp(-inf) = 0``);
+    * an input's absmax is beyond the square root of its dtype's max (256 in float16): squaring it, as a norm, a
+      variance, ``pow(x, 3)`` or ``|a|²·|b|²`` does, overflows inside the call, and the backward of such an op
+      (``3·x²`` times a saturated zero gradient) makes NaN.
+    """
+
+    def __init__(self) -> None:
+        self.zero_high: dict[int, float] = {}  # per module: the largest fraction of zeros its outputs held
+        self.reach_high: dict[int, float] = {}  # per module: the largest log2(input absmax) / log2(dtype max)
+
+    def check(
+        self, mcode: int, ins: list[tuple[str, Any]], output: Any, stats_of: Callable[[Any], Any]
+    ) -> bool:
+        """True when a signal is at a new high for module ``mcode`` (``stats_of(t)``: a tensor's host stats)."""
+        out = zero_fraction(list(flatten(output, "o")), stats_of)
+        zin = zero_fraction(ins, stats_of)
+        zeros_high = self.zero_high.get(mcode, 0.0)
+        hit = out is not None and zin is not None and out > zin and out > zeros_high
+        if out is not None:
+            self.zero_high[mcode] = max(zeros_high, out)
+        reach = headroom_fraction(ins, stats_of)
+        if reach is not None and reach > self.reach_high.get(mcode, 0.5):
+            self.reach_high[mcode] = reach
+            hit = True
+        return hit
+
+
+def zero_fraction(items: list[tuple[str, Any]], stats_of: Callable[[Any], Any]) -> float | None:
+    """The fraction of zero elements over the describable tensors of ``items``, from their host statistics
+    (``stats_of(t)``: a tuple whose index 7 is ``n_zero``, or None when not recorded); None when any is missing."""
+    zeros = total = 0
+    for _, t in items:
+        if not describable(t):
+            continue
+        s = stats_of(t)
+        if s is None or isinstance(s, torch.Tensor):
+            return None
+        zeros += int(s[7])
+        total += t.numel()
+    return zeros / total if total else None
