@@ -9,7 +9,14 @@ import numpy as np
 import pandas as pd
 
 from ._diagnosis import DIVERGENCE_UPDATE_RATIO, HEADLINE_MAX, HEALTHY_UPDATE_RATIO, Diagnosis
-from ._evidence import call_arity, class_advice, mean_over_nothing, op_evidence, weights_beyond_event
+from ._evidence import (
+    call_arity,
+    class_advice,
+    discarded_op,
+    mean_over_nothing,
+    op_evidence,
+    weights_beyond_event,
+)
 from ._explain import samples_words
 from ._facts import DivergenceFacts, Facts, ratio_per_step
 from ._fmt import attr_path, module_label, num, steps_text
@@ -404,6 +411,13 @@ def _invalid_backward(run: Facts, ev: Overflow) -> Diagnosis:
     fwd = run.rows_of(ev.step, "forward", module=ev.module, prefix="output")
     if len(fwd) and not bool(fwd[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum()):
         evidence.append(f"its forward at that step was finite (output absmax {num(finite_absmax(fwd))})")
+    gone = discarded_op(run.view, ev)
+    if gone is not None:
+        at = f" at {gone[1]}" if gone[1] else ""
+        evidence.append(
+            f"its forward held a non-finite value made by `{gone[0]}`{at} that the forward discarded (the output "
+            f"is the same whatever finite value it had); the backward still goes through `{gone[0]}`"
+        )
     skips = skips_text(run)
     if skips:
         evidence.append(skips)

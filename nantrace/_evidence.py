@@ -54,6 +54,7 @@ __all__ = [
     "call_arity",
     "call_input_rows",
     "class_advice",
+    "discarded_op",
     "headline",
     "mean_over_nothing",
     "op_evidence",
@@ -263,9 +264,15 @@ def _many(view: RunView) -> bool:
     return len(view.meta.ranks) > 1
 
 
-def _op_row(view: RunView, ov: Overflow) -> dict[str, Any] | None:
+def _call_ops(view: RunView, ov: Overflow, reaches: bool) -> pd.DataFrame | None:
+    """The drill-down rows of the event's module call whose ``reaches`` is ``reaches`` (a trace recorded before
+    the column existed only named values that reached the call's output)."""
     o = _rank_rows(view.ops, ov, _many(view))
     if not len(o) or "op" not in o.columns:
+        return None
+    if "reaches" in o.columns:
+        o = o[o["reaches"].to_numpy(dtype=bool) == reaches]
+    elif not reaches:
         return None
     m = (
         (o["step"].to_numpy() == ov.step)
@@ -273,7 +280,27 @@ def _op_row(view: RunView, ov: Overflow) -> dict[str, Any] | None:
         & (o["module"].astype(str).to_numpy() == ov.module)
         & (o["call"].to_numpy() == ov.call)
     )
-    hit = o[m]
+    return o[m]
+
+
+def discarded_op(view: RunView, ov: Overflow) -> tuple[str, str | None] | None:
+    """For a NaN made in backward: ``(op, source line)`` of the forward op of the same call whose non-finite
+    value the call's output discarded (``ops.reaches`` False), which the backward then turns into NaN (0·inf,
+    0/0 in its derivative); None when the drill-down named none."""
+    if ov.phase != "backward" or ov.kind != "nan":
+        return None
+    hit = _call_ops(view, ov, reaches=False)
+    if hit is None or not len(hit):
+        return None
+    row = hit.iloc[0]
+    source = row.get("source")
+    return str(row["op"]), source if isinstance(source, str) else None
+
+
+def _op_row(view: RunView, ov: Overflow) -> dict[str, Any] | None:
+    hit = _call_ops(view, ov, reaches=True)
+    if hit is None:
+        return None
     kinds = hit["kind"].astype(str).to_numpy()
     order = ("posinf", "neginf", "nan") if ov.kind == "inf" else ("nan",)
     for k in order:

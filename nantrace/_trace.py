@@ -215,9 +215,14 @@ class Trace:
 
     @property
     def ops(self) -> pd.DataFrame:
-        """Forward drill-down: ``step, micro_step, module, call, op, kind`` for each module call where a
-        non-finite kind first appeared in a micro-step, naming the first torch op inside it that made it
-        (found by replaying that call on CPU; empty on the ``sync_free`` path); a new copy on each access."""
+        """Forward drill-down: ``step, micro_step, module, call, op, kind, operands, source, reaches`` for each
+        module call where a non-finite kind first appeared in a micro-step, or whose finite output the recorded
+        statistics showed may hide a transient inf (more zeros out than in, an input beyond the square root of
+        its dtype's max), naming the first torch op inside it that made the kind (found by replaying that call
+        on CPU; empty on the ``sync_free`` path). ``operands`` holds that op's operand facts (JSON text),
+        ``source`` the user's ``path:line`` that ran it (None when not known, e.g. autocast's cast), and
+        ``reaches`` is False when the call's output was the same whatever finite value the op's non-finite
+        elements had (a selection discarded them: not a forward fault). A new copy on each access."""
         return served(self._view().ops)
 
     @property
@@ -410,7 +415,9 @@ def trace(
         drill: on the CPU path, when a module call's output first holds a kind of non-finite value (NaN,
             +inf, -inf) in a micro-step, replay that call once on copies of its inputs and buffers, with
             autograd off and the RNG state forked, to name the first torch op inside it that made the value
-            (``Trace.ops``). The replay runs the module's Python ``forward`` again, so Python side effects
+            (``Trace.ops``); a finite call is replayed too when its recorded statistics point to a transient
+            inf (at most once per new high of the signal per module, and then up to three more times to
+            tell whether the value reached the output). The replay runs the module's Python ``forward`` again, so Python side effects
             in it (counters, caches) happen twice for that one call; pass ``False`` to turn it off.
         every: record full statistics on every N-th step (steps 0, N, 2N, …). On the steps between, each
             tensor costs one ``torch.aminmax`` pass and gets a row only if it holds inf/NaN, so the locator

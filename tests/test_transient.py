@@ -9,10 +9,14 @@ fault; the backward NaN it makes names the forward op."""
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
+import pytest
 import torch
 from torch import nn
 
@@ -180,3 +184,141 @@ def test_a_transient_producer_is_the_same_after_save_and_load(tmp_path: Path) ->
     )
     assert str(back.first_overflow()) == str(tr.first_overflow())
     assert not math.isnan(float(back.records["absmax"].max()))
+
+
+def _discard_run() -> nantrace.Trace:
+    m = Wrap(Discard()).half()
+    p = torch.tensor([[0.1, 0.2, 0.5, 0.3, 0.1, 0.1, 0.1, 0.1]], dtype=torch.float16)
+    with nantrace.trace(m) as tr:
+        m(p).float().sum().backward()
+    return tr
+
+
+def _rms_rows() -> torch.Tensor:
+    x = _full(300.0)
+    x[1] = 1.0
+    return x
+
+
+# (name, run, op named in both texts, op class, diagnosis cause)
+AGREE = [
+    ("tanh_gelu_pow", lambda: _run(TanhGELU(), _full(300.0))[0], "pow", "overflow", "forward_overflow"),
+    ("rmsnorm_pow", lambda: _run(RMSNorm(), _rms_rows())[0], "pow", "overflow", "forward_overflow"),
+    (
+        "cosine_sum",
+        lambda: _run(Cosine(), _full(200.0), pair=True)[0],
+        "sum",
+        "reduction",
+        "forward_overflow",
+    ),
+    ("cumsum", lambda: _run(CumNorm(), _full(30000.0, rows=1))[0], "cumsum", "reduction", "forward_overflow"),
+    ("discarded_log", _discard_run, "log", "invalid", "invalid_op"),
+]
+
+
+@pytest.mark.parametrize(("name", "run", "op", "op_class", "cause"), AGREE, ids=[a[0] for a in AGREE])
+def test_overflow_text_and_diagnosis_name_the_same_transient_op_and_class(
+    name: str, run: Callable[[], nantrace.Trace], op: str, op_class: str, cause: str
+) -> None:
+    """On each transient instance ``str(tr.first_overflow())`` and ``tr.diagnose()`` are about the same event,
+    give the op the same class from its operands (``pow``/``sum``/``cumsum`` of finite values: overflow or
+    reduction, not the ``rsqrt(inf) = 0`` or ``x / inf = 0`` downstream, which are its consequence) and both
+    name the producing op."""
+    tr = run()
+    ov, d = tr.first_overflow(), tr.diagnose()
+    assert ov is not None and d.overflow == ov
+    assert (ov.op_class, d.op_class, d.cause) == (op_class, op_class, cause)
+    assert d.headline == str(ov).splitlines()[0]
+    assert f"`{op}`" in str(ov) and f"`{op}`" in str(d)
+    for downstream in ("rsqrt", "`div`", "`sqrt`", "`tanh`"):
+        assert downstream not in str(ov) and downstream not in str(d)
+
+
+def test_the_discarded_op_is_named_with_its_line_in_the_diagnosis_evidence() -> None:
+    tr = _discard_run()
+    d = tr.diagnose()
+    assert (
+        f"its forward held a non-finite value made by `log` at {_line(Discard, 1)} that the forward discarded (the "
+        "output is the same whatever finite value it had); the backward still goes through `log`"
+    ) in d.evidence
+    assert d.headline == (
+        "step 0 backward: the backward of `inner` (Discard) made NaN by an invalid operation: 0·inf, inf − inf "
+        "or 0/0 in a derivative (float16)"
+    )
+
+
+def test_the_transient_op_is_classed_from_its_recorded_operands() -> None:
+    """The pow's operand facts are recorded by the transient replay like any other: arg0 float16 of absmax 300
+    (two rows: 300 and 1), the exponent 2, and a result holding 8 +inf (row 0's squares)."""
+    tr, _ = _run(RMSNorm(), _rms_rows())
+    doc = json.loads(tr.ops["operands"].iloc[0])
+    arg0, arg1 = doc["operands"]
+    assert (arg0["name"], arg0["dtype"], arg0["absmax"], arg0["absmin"], arg0["n_posinf"]) == (
+        "arg0",
+        "float16",
+        300.0,
+        1.0,
+        0,
+    )
+    assert arg1 == {"name": "arg1", "value": 2.0}
+    assert (doc["result"]["n_posinf"], doc["result"]["absmax"]) == (8, 1.0)
+    assert (
+        "the producing op: `pow` (overflow: finite operands (absmax 300) gave a result beyond 65504)"
+        in str(tr.first_overflow())
+    )
+
+
+def _healthy(
+    monkeypatch: pytest.MonkeyPatch, last: nn.Module, lr: float = 1e-3
+) -> tuple[list[str], nantrace.Trace, nantrace.Trace]:
+    """Three SGD steps of a float16 MLP (Linear, LayerNorm, GELU, Linear, ``last``) on inputs of absmax < 4,
+    traced with the drill-down on and off: the classes of the modules whose calls were replayed, both traces."""
+    import nantrace._hooks as hooks
+
+    calls: list[str] = []
+    real = hooks.drill_call
+
+    def counted(module: nn.Module, *a: Any, **k: Any) -> Any:
+        calls.append(type(module).__name__)
+        return real(module, *a, **k)
+
+    monkeypatch.setattr(hooks, "drill_call", counted)
+
+    def run(drill: bool) -> nantrace.Trace:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 8), last).half()
+        opt = torch.optim.SGD(m.parameters(), lr=lr)
+        x = torch.randn(4, 8).half()
+        with nantrace.trace(m, drill=drill) as tr:
+            for _ in range(3):
+                opt.zero_grad()
+                m(x).float().sum().backward()
+                opt.step()
+        return tr
+
+    on = run(True)
+    n = len(calls)
+    off = run(False)
+    assert len(calls) == n  # drill=False replays nothing
+    return calls, on, off
+
+
+_COLS = ["step", "micro_step", "phase", "module", "call", "tensor", "absmax", "n_zero", "n_nan", "n_posinf"]
+
+
+def test_a_healthy_model_is_never_replayed_and_gets_no_extra_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No input beyond sqrt(65504) = 256 and no call with more zeros out than in: no replay, no ops row, and
+    the records are the same rows as with ``drill=False``."""
+    calls, on, off = _healthy(monkeypatch, nn.Tanh())
+    assert calls == [] and len(on.ops) == 0 and on.first_overflow() is None
+    pd.testing.assert_frame_equal(on.records[_COLS], off.records[_COLS])
+
+
+def test_relu_zeros_cost_one_replay_per_new_high_and_name_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ReLU's zeros are the zeros signal (more zeros out than in) at its first call, and so are the root's
+    (its output is the ReLU's): each is replayed once, at step 0; the same zero fraction at steps 1 and 2
+    (lr 0: the same weights, so the same zeros) is no new high. The replays find no inf, so nothing is
+    reported and the records are those of ``drill=False``."""
+    calls, on, off = _healthy(monkeypatch, nn.ReLU(), lr=0.0)
+    assert calls == ["ReLU", "Sequential"] and len(on.ops) == 0 and on.first_overflow() is None
+    pd.testing.assert_frame_equal(on.records[_COLS], off.records[_COLS])

@@ -624,11 +624,17 @@ def _hidden_inf_run(make: Any, act: nn.Module) -> nantrace.Trace:
 def test_a_hidden_inf_that_makes_a_backward_nan_is_replayed_and_named_as_trace_names_it() -> None:
     traced = _hidden_inf_run(nantrace.trace, HandSigmoid())
     watched = _hidden_inf_run(lambda m, **kw: nantrace.watch(m, every=None, **kw), HandSigmoid())
-    expected = (1, 0, "backward", "1", "HandSigmoid", 0, "grad_input[0]", "nan")
+    # the call's output is a finite 0 computed from exp's inf (1 / inf): the zeros signal replays the call and
+    # names the forward `exp` as the producer (DESIGN turn 2: an op's inf carried into the output as a finite
+    # value counts), under trace and under watch's replay alike
+    expected = (1, 0, "forward", "1", "HandSigmoid", 0, "output", "inf")
     assert _fields(traced.first_overflow()) == _fields(watched.first_overflow()) == expected
+    assert traced.ops[["step", "module", "op", "kind", "reaches"]].values.tolist() == [
+        [1, "1", "exp", "posinf", True]
+    ]
     # the NaN gradients reach the weights (SGD: w - 0 · NaN), so step 2's forward is non-finite and replayed too
     assert watched.steps["recorded"].tolist() == ["watch", "replay", "replay"]
-    assert watched.diagnose().cause == traced.diagnose().cause == "invalid_op"
+    assert watched.diagnose().cause == traced.diagnose().cause == "forward_overflow"
     assert "replaying it after its sentinel saw a non-finite value" in str(watched.first_overflow())
 
 
