@@ -1,0 +1,95 @@
+"""How often the forward drill-down replays module calls on healthy models (nothing non-finite).
+
+A finite call is replayed when the recorded statistics point to a transient inf (``nantrace._drill.Suspects``:
+more zeros out than in, an input beyond the square root of its dtype's max, each at a new high per module).
+This counts, per workload, the drill-downs (``drill_call``) and the forward replays they ran (``replay_call``:
+one per drill-down, plus up to three when an op made a kind in a finite call, to tell whether it reached the
+output), over ``--steps`` traced training steps, and the module classes replayed. Workloads: ``a``, ``b``,
+``c`` of ``overhead.py``, the ResNet-18 and ConvNeXt-like CNN of ``real_models.py``, and HF GPT-2/BERT/RoBERTa
+when ``transformers`` is installed.
+
+    python benchmarks/replays.py --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import nantrace
+import nantrace._drill as drill
+import nantrace._hooks as hooks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import WORKLOADS, Workload, machine_line
+from real_models import _cnn, _hf
+
+
+def _workloads(names: list[str]) -> list[Callable[[], Workload]]:
+    out: list[Callable[[], Workload]] = []
+    for n in names:
+        if n in WORKLOADS:
+            out.append(lambda n=n: WORKLOADS[n](torch.device("cpu")))
+        elif n in ("gpt2", "bert", "roberta"):
+            try:
+                import transformers  # noqa: F401
+            except ImportError:
+                print(f"{n}: skipped (transformers not installed)")
+                continue
+            out.append(lambda n=n: _hf(n))
+        else:
+            out.append(lambda n=n: _cnn(n))
+    return out
+
+
+def count(make: Callable[[], Workload], steps: int) -> tuple[str, int, int, collections.Counter[str], int]:
+    """(title, drill-downs, replays, module classes drilled, ops rows) over ``steps`` traced steps."""
+    w = make()
+    drilled: collections.Counter[str] = collections.Counter()
+    replays = [0]
+    real_drill, real_replay = hooks.drill_call, drill.replay_call
+
+    def counted_drill(module: torch.nn.Module, *a: Any, **k: Any) -> Any:
+        drilled[type(module).__name__] += 1
+        return real_drill(module, *a, **k)
+
+    def counted_replay(*a: Any, **k: Any) -> Any:
+        replays[0] += 1
+        return real_replay(*a, **k)
+
+    hooks.drill_call, drill.replay_call = counted_drill, counted_replay  # type: ignore[assignment]
+    try:
+        with nantrace.trace(w.model, optimizer=w.optimizer, scaler=w.scaler) as tr:
+            for _ in range(steps):
+                w.step()
+    finally:
+        hooks.drill_call, drill.replay_call = real_drill, real_replay  # type: ignore[assignment]
+    return w.title, sum(drilled.values()), replays[0], drilled, len(tr.ops)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--models", default="a,b,c,resnet18,convnext,gpt2,bert,roberta")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    print(machine_line())
+    print(
+        f"| workload | drill-downs in {args.steps} steps | forward replays | ops rows | module classes drilled |"
+    )
+    print("| --- | ---: | ---: | ---: | --- |")
+    for make in _workloads(args.models.split(",")):
+        title, n, r, by, rows = count(make, args.steps)
+        classes = ", ".join(f"{k} {v}" for k, v in by.most_common()) or "none"
+        print(f"| {title} | {n} | {r} | {rows} | {classes} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
