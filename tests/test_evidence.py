@@ -325,7 +325,12 @@ def test_an_op_of_a_call_with_a_wider_output_is_described_in_the_dtype_it_comput
     assert ev is not None and (ev.op, ev.dtype) == ("add", "float16")
     text = str(ov) + str(tr.diagnose())
     assert str(ov).splitlines()[0].endswith("rounds to -inf (float16)")
-    assert "produced -inf in `add` inside its forward (float16; the call's output is float32)" in str(ov)
+    code = _finfo_min_mask.__code__
+    line = f"{code.co_filename}:{code.co_firstlineno + 1}"  # the drill-down names the user's line of the add
+    assert (
+        f"produced -inf in `add` at {line} inside its forward (float16; the call's output is float32)"
+        in str(ov)
+    )
     assert "±65504 (torch.finfo(float16).min" in text and "3.403e+38" not in text
 
 
