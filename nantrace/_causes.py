@@ -253,7 +253,9 @@ def _weights_evidence(
 def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     inputs = call_inputs(run, ev)
     in_absmax = finite_absmax(inputs)
-    dtype = str(ev.dtype)
+    oe = op_evidence(run.view, ev)
+    # the dtype the producing op computed in (a float16 op inside a call whose output is float32)
+    dtype = oe.dtype if oe is not None and oe.op is not None else str(ev.dtype)
     limit = dtype_max(dtype)
     own_code = own_code_of(run, ev)
     op = run.op_of(ev, "posinf") or run.op_of(ev, "neginf") or run.op_of(ev, "nan")

@@ -200,7 +200,8 @@ def _forward(view: RunView, ev: Event) -> str:
 
 def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
     f = ev.fields
-    step, micro, module, dtype = int(f["step"]), int(f["micro_step"]), str(f["module"]), str(f["dtype"])
+    step, micro, module = int(f["step"]), int(f["micro_step"]), str(f["module"])
+    dtype = oe.dtype if oe.op is not None else str(f["dtype"])  # the dtype the producing op computed in
     name, dmax, what = module_label(module), dtype_max(dtype), KIND_WORDS[ev.raw_kind]
     inputs = _forward_inputs(ev)
     in_absmax = num(finite_absmax(inputs))

@@ -344,3 +344,20 @@ def test_mask_advice_names_masked_fill_only_where_the_mask_was_added() -> None:
     assert row.op_class == "mask_arithmetic"
     assert not any("masked_fill(mask" in a for a in row.advice)
     assert row.advice[0].startswith("Keep at least one unmasked key per row")
+
+
+def _square_then_float32(x: torch.Tensor) -> torch.Tensor:
+    return (x * x).float()  # 300 * 300 overflows float16; the call's output is float32
+
+
+def test_an_overflow_in_a_float16_op_of_a_float32_output_call_quotes_float16s_limit() -> None:
+    tr = _run(_square_then_float32, (torch.full((1, 4), 300.0, dtype=H),))
+    ov = tr.first_overflow()
+    d = tr.diagnose()
+    assert ov is not None and (ov.dtype, ov.op_class, d.cause) == ("float32", "overflow", "forward_overflow")
+    assert d.evidence[0] == (
+        "`body` (Body, call 0) at step 0 turned finite inputs (absmax 300) into inf in float16, whose largest "
+        "finite value is 65504"
+    )
+    assert "float16 overflows above 65504" in str(ov)
+    assert "3.403e+38" not in str(ov) + str(d)
