@@ -16,6 +16,7 @@ from typing import Any, TextIO
 import pandas as pd
 
 from ._explain import first_overflow
+from ._fmt import num
 from ._ranges import headroom_table, lowest_rank_steps
 from ._view import RunView
 
@@ -119,7 +120,7 @@ def scale_history(steps: pd.DataFrame) -> str:
         span = f"step {ids[i]}" if i == j else f"steps {ids[i]}-{ids[j]}"
         n_skip = sum(skipped[i : j + 1])
         note = f", {n_skip} skipped" if n_skip else ""
-        parts.append(f"{scales[i]:g} ({span}{note})")
+        parts.append(f"{num(scales[i])} ({span}{note})")
         i = j + 1
     if len(parts) > 8:
         parts = [*parts[:4], f"… {len(parts) - 7} more …", *parts[-3:]]

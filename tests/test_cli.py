@@ -331,3 +331,12 @@ def test_demo_out_that_is_a_file_is_refused_by_name(
         f"nantrace: error: --out {str(out)!r}: {what} is a file, not a directory; choose a directory for --out\n"
     )
     assert f.read_text() == "keep me"
+
+
+def test_scale_history_prints_scales_with_the_one_number_formatter() -> None:
+    steps = pd.DataFrame(
+        {"step": [0, 1, 2], "scale": [2.0**20, 2.0**19, 2.0**-7], "skipped": [True, True, False]}
+    )
+    assert _report.scale_history(steps) == (
+        "1048576 (step 0, 1 skipped) → 524288 (step 1, 1 skipped) → 0.007812 (step 2)"
+    )
