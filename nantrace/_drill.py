@@ -212,17 +212,31 @@ def reaches_output(module: torch.nn.Module, args: Any, kwargs: Any, at: int) -> 
     return False
 
 
-def headroom_fraction(items: list[tuple[str, Any]], stats_of: Callable[[Any], Any]) -> float | None:
-    """The largest ``log2(absmax) / log2(dtype max)`` over the describable float16/bfloat16/float32 tensors of
-    ``items`` (their host statistics, index 2 is ``absmax``): above 0.5 squaring the tensor overflows its
-    dtype. None when a statistic is missing."""
-    best = 0.0
+def _host_stats(
+    items: list[tuple[str, Any]], stats_of: Callable[[Any], Any]
+) -> list[tuple[torch.Tensor, Any]] | None:
+    """``(tensor, host statistics)`` of the describable tensors of ``items``; None when any statistic is missing
+    (not recorded, or still a device tensor)."""
+    out = []
     for _, t in items:
         if not describable(t):
             continue
         s = stats_of(t)
         if s is None or isinstance(s, torch.Tensor):
             return None
+        out.append((t, s))
+    return out
+
+
+def headroom_fraction(items: list[tuple[str, Any]], stats_of: Callable[[Any], Any]) -> float | None:
+    """The largest ``log2(absmax) / log2(dtype max)`` over the describable float16/bfloat16/float32 tensors of
+    ``items`` (their host statistics, index 2 is ``absmax``): above 0.5 squaring the tensor overflows its
+    dtype. None when a statistic is missing."""
+    stats = _host_stats(items, stats_of)
+    if stats is None:
+        return None
+    best = 0.0
+    for t, s in stats:
         absmax = float(s[2])
         if absmax > 1.0 and math.isfinite(absmax):
             best = max(best, math.log2(absmax) / math.log2(float(torch.finfo(t.dtype).max)))
@@ -293,13 +307,11 @@ class Suspects:
 def zero_fraction(items: list[tuple[str, Any]], stats_of: Callable[[Any], Any]) -> float | None:
     """The fraction of zero elements over the describable tensors of ``items``, from their host statistics
     (``stats_of(t)``: a tuple whose index 7 is ``n_zero``, or None when not recorded); None when any is missing."""
+    stats = _host_stats(items, stats_of)
+    if stats is None:
+        return None
     zeros = total = 0
-    for _, t in items:
-        if not describable(t):
-            continue
-        s = stats_of(t)
-        if s is None or isinstance(s, torch.Tensor):
-            return None
+    for t, s in stats:
         zeros += int(s[7])
         total += t.numel()
     return zeros / total if total else None
