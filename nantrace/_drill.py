@@ -252,7 +252,9 @@ def drill_call(
     the call's output was finite, so ``reaches`` says whether the op's value changed it
     (:func:`reaches_output`); else it is True."""
     mode, cast = FirstNonfinite(known), CastWatch(known)
-    replay_call(module, args, kwargs, mode, cast)
+    # autocast's casts are the only ops CastWatch looks for, and the drill-down runs on CPU tensors only: without
+    # CPU autocast the dispatch-level mode is left out (it costs Python on every aten op of the replay)
+    replay_call(module, args, kwargs, mode, *([cast] if torch.is_autocast_enabled("cpu") else []))
     found = cast.found or mode.found
     if found is None:
         return None

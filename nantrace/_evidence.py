@@ -607,7 +607,7 @@ def _op_dtype(op: str, ops: tuple[Operand, ...], event_dtype: str) -> str:
     """The dtype the op computed in: the widest floating dtype of its tensor operands (type promotion among
     tensors), which is not the call's output dtype when the call casts afterwards (``softmax(s.float())``); a
     cast's target is the event's dtype."""
-    if op == CAST_OP:
+    if op == CAST_OP or _base(op) in _CASTS:
         return event_dtype
     floats = [o.dtype for o in ops if o.dtype is not None and not math.isnan(dtype_max(o.dtype))]
     return max(floats, key=dtype_max) if floats else event_dtype
