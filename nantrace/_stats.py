@@ -16,9 +16,10 @@ Two implementations give the same numbers:
 * :func:`stats_device` never reads a value on the host. It is a fixed sequence of on-device reductions whose
   result is one float64 tensor of shape ``(8,)`` on ``x.device``; it is what hooks use on an accelerator, so the
   host never waits for the device (no ``.item()``, ``bool(tensor)`` or branching on values).
-* :func:`stats_host` is for CPU tensors, where reading a value costs no device synchronisation. It starts with
-  one min/max pass (``torch.aminmax``; ``amin`` and ``amax`` for large float32/float64 tensors): NaN propagates into min/max and ±inf shows as an extreme, so a finite result proves
-  the tensor clean and the inf/NaN counts are zero without counting. It returns a tuple of Python floats.
+* :func:`stats_host` is for CPU tensors, where reading a value costs no device synchronisation. It reads the
+  float's bits as integers: one integer min/max pass gives min/max, the smallest ``|x|`` of a tensor of one sign
+  and proof that it holds no inf/NaN (their bit patterns are the largest magnitudes), so the inf/NaN counts are
+  zero without counting. It returns a tuple of Python floats.
 
 Only dense floating-point tensors with at least one element are described (:func:`describable`). float8
 tensors are widened to float32 first because most reductions do not accept them.
@@ -27,6 +28,7 @@ tensors are widened to float32 first because most reductions do not accept them.
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import numpy as np
@@ -184,85 +186,142 @@ def _finite(v: float) -> bool:
 def stats_host(t: torch.Tensor) -> tuple[float, ...]:
     """Statistics of a CPU tensor ``t`` as 8 Python floats, same order and meaning as :func:`stats_device`.
 
-    Reads values on the host (free for CPU tensors) to skip work. One min/max pass (:func:`_min_max`) gives
-    min/max and proves the tensor free of inf/NaN (tensors holding them fall back to :func:`stats_device`). A
-    tensor of one sign with no zero needs nothing more. A tensor of both signs gets its smallest ``|x|`` from two
-    integer reductions over its bits, with no temporary (:func:`_least_magnitude`); only a tensor holding a
-    zero takes one ``|x|`` pass read as unsigned integers for the zero count and the smallest non-zero ``|x|``
-    (:func:`_zeros_and_absmin`).
+    Reads values on the host (free for CPU tensors) to skip work. The float's bits are read as integers
+    (:func:`_bits_stats`): one integer min/max pass gives min/max of a tensor of one sign, its smallest ``|x|``,
+    and proves it free of inf/NaN; a tensor of both signs takes one float ``amin`` and one unsigned integer
+    minimum more; only a tensor holding a zero (ReLU, dropout, masks) takes one pass that counts them and finds
+    the smallest non-zero ``|x|``. A tensor holding inf/NaN falls back to :func:`stats_device`.
     """
     if t.element_size() == 1 and t.numel() > CHUNK_ELEMENTS:  # float8: widen chunk by chunk, not all at once
         return tuple(stats_device(t).tolist())
     x = _work_view(t)
-    lo, hi = _min_max(x)
-    if not (_finite(lo) and _finite(hi)):
+    got = _bits_stats(x) if x.dtype in _INF_BITS and not x.is_neg() else None
+    if got is None:
         return tuple(stats_device(x).tolist())
-    absmax = max(abs(lo), abs(hi))
-    if lo > 0 or hi < 0:  # one sign, no zeros
-        return (lo, hi, absmax, lo if lo > 0 else -hi, 0.0, 0.0, 0.0, 0.0)
-    if lo < 0 < hi:
-        least = _least_magnitude(x)
-        if least:  # no ±0: it is the smallest non-zero |x|
-            return (lo, hi, absmax, _float_of_bits(least, x.dtype), 0.0, 0.0, 0.0, 0.0)
-    n_zero, absmin = 0, _INF
-    for c in _chunks(x):  # |x| one chunk at a time: the temporary stays a chunk, not the tensor
-        z, m = _zeros_and_absmin(torch.abs(c))
-        n_zero += z
-        if not math.isnan(m):
-            absmin = min(absmin, m)
-    return (lo, hi, absmax, _NAN if absmin == _INF else absmin, 0.0, 0.0, 0.0, float(n_zero))
+    return got
 
 
-def _least_magnitude(x: torch.Tensor) -> int:
-    """For a finite CPU tensor holding both signs: the bit pattern (sign bit cleared) of its value nearest zero,
-    from one or two ``min`` reductions over its bits and no temporary; 0 when it holds ``+0.0`` or ``-0.0`` (or
-    its bits cannot be read in place), where the caller takes the ``|x|`` path.
+#: Tensors of at most this many elements are read with numpy (one thread, ~1 µs a call) instead of torch's
+#: reductions (two threads, a few µs a call): below it, the call's cost is most of the statistic's (measured in
+#: ``benchmarks/stats_alternatives.py``). Never above :data:`CHUNK_ELEMENTS`, so numpy's temporaries stay a chunk.
+NUMPY_ELEMENTS = 1 << 17
 
-    An IEEE float's bits are a sign bit above the magnitude bits, and the magnitude bits order like ``|x|``.
-    Read as unsigned integers, every value with the sign bit clear is below every value with it set, so the
-    minimum is the non-negative value nearest zero (``+0.0``: 0). Read as signed integers, the values with the
-    sign bit set are the negative ones, ordered by their magnitude bits, so the minimum is the negative value
-    nearest zero (``-0.0``: magnitude 0). The unsigned pass comes first (the zeros of ReLU, dropout and masks
-    are mostly ``+0.0``); the signed one is skipped when it found a zero.
+#: The bit pattern of +inf: a magnitude (sign bit cleared) at or above it is inf or NaN.
+_INF_BITS = {
+    torch.float16: 0x7C00,
+    torch.bfloat16: 0x7F80,
+    torch.float32: 0x7F800000,
+    torch.float64: 0x7FF0000000000000,
+}
+_SIGN = {2: -(1 << 15), 4: -(1 << 31), 8: -(1 << 63)}  # the sign bit alone, read as a signed integer
+
+
+def _bits_stats(x: torch.Tensor) -> tuple[float, ...] | None:
+    """Statistics of a finite CPU tensor from its bits read as integers; None when it holds inf/NaN (or numpy
+    cannot read its bits in place).
+
+    An IEEE float's bits are a sign bit above magnitude bits that order like ``|x|``. Read as *signed* integers,
+    the non-negative values keep their order and the negative ones (sign bit set) order by magnitude, below them:
+    the minimum is the negative value nearest zero (``-0.0`` is the sign bit alone) or, when there is none, the
+    smallest value; the maximum is the largest value or, when every sign bit is set, the most negative one. So one
+    signed min/max gives everything for a tensor of one sign. A tensor of both signs also needs its most negative
+    value (a float ``amin``) and its non-negative value nearest zero (the *unsigned* minimum: every sign-bit-set
+    pattern is above every other). A zero shows as a magnitude of 0; :func:`_zeros_and_least` then counts them.
     """
-    size = x.element_size()
+    size, dtype = x.element_size(), x.dtype
+    inf, sign = _INF_BITS[dtype], _SIGN[size]
+    xi = x.view(_INT[size])
+    a: np.ndarray | None = None
     try:
-        signed = x.view(_INT[size]).numpy()
-    except (RuntimeError, TypeError):  # bits numpy cannot read (a negative-bit view): the caller's |x| path
-        return 0
-    pos = int(signed.view(_UINT[size]).min())
-    if pos == 0:
-        return 0
-    return min(pos, int(signed.min()) & _MAGNITUDE[size])
+        if x.numel() <= min(NUMPY_ELEMENTS, CHUNK_ELEMENTS):
+            a = xi.numpy()
+            smin, smax = int(a.min()), int(a.max())
+        else:
+            lo_t, hi_t = torch.aminmax(xi)
+            smin, smax = int(lo_t), int(hi_t)
+        if smin >= 0:  # no sign bit set: every value is +0.0 or positive
+            if smax >= inf:
+                return None
+            lo, hi = _float_of_bits(smin, dtype), _float_of_bits(smax, dtype)
+            if smin > 0:
+                return (lo, hi, hi, lo, 0.0, 0.0, 0.0, 0.0)
+        elif smax < 0:  # every sign bit set: -0.0 or negative
+            big, small = (
+                smax - sign,
+                smin - sign,
+            )  # magnitude bits of the most negative and of the nearest zero
+            if big >= inf:
+                return None
+            lo, hi = -_float_of_bits(big, dtype), -_float_of_bits(small, dtype)
+            if small > 0:
+                return (lo, hi, -lo, -hi, 0.0, 0.0, 0.0, 0.0)
+        else:  # both signs
+            if smax >= inf:
+                return None
+            u = (a if a is not None else xi.numpy()).view(_UINT[size])
+            if a is not None:
+                big = int(u.max()) + sign  # the largest unsigned pattern: the most negative value
+                if big >= inf:
+                    return None
+                lo = -_float_of_bits(big, dtype)
+            else:
+                lo = float(x.amin())  # two threads: cheaper than numpy's one for a large tensor
+                if not lo > -_INF:  # -inf, or NaN (amin propagates it)
+                    return None
+            hi = _float_of_bits(smax, dtype)
+            neg = smin - sign  # magnitude bits of the negative value nearest zero (0: a -0.0)
+            pos = int(u.min()) if neg > 0 else 0  # the non-negative value nearest zero (0: a +0.0)
+            if pos > 0:
+                return (lo, hi, max(-lo, hi), _float_of_bits(min(pos, neg), dtype), 0.0, 0.0, 0.0, 0.0)
+    except (RuntimeError, TypeError):  # bits numpy cannot read in place
+        return None
+    zeros, least = _zeros_and_least(xi, signed=smin < 0)
+    absmin = _float_of_bits(least, dtype) if least >= 0 else _NAN
+    return (lo, hi, max(abs(lo), abs(hi)), absmin, 0.0, 0.0, 0.0, float(zeros))
 
 
-def _float_of_bits(bits: int, dtype: torch.dtype) -> float:
-    """The value of a non-negative bit pattern of ``dtype`` as a Python float."""
-    if dtype == torch.bfloat16:  # bfloat16 is the top half of a float32
-        return float(np.array([bits << 16], dtype=np.uint32).view(np.float32)[0])
-    return float(np.array([bits], dtype=_UINT[torch.finfo(dtype).bits // 8]).view(_FLOAT_OF_BITS[dtype])[0])
+def _zeros_and_least(xi: torch.Tensor, *, signed: bool) -> tuple[int, int]:
+    """``(zero count, bits of the smallest non-zero magnitude)`` of a finite tensor's integer view ``xi``, -1 for
+    the bits when every element is zero; ``signed``: some sign bit is set (it is cleared first, so ``-0.0``
+    counts as a zero).
+
+    Chunk by chunk (:func:`_chunks`): magnitude bits (a temporary of one chunk), their non-zero count, then the
+    unsigned minimum of the magnitudes minus 1, where a zero wraps to the largest pattern and every other value
+    keeps its order."""
+    size = xi.element_size()
+    keep, unsigned = -_SIGN[size] - 1, _UINT[size]
+    nonzero, lows = 0, []
+    for c in _chunks(xi):
+        if c.numel() <= NUMPY_ELEMENTS:
+            a = c.numpy()
+            a = a & keep if signed else a
+            nonzero += int(np.count_nonzero(a))
+            lows.append(int((a - 1).view(unsigned).min()))
+        else:
+            m = torch.bitwise_and(c, keep) if signed else c
+            nonzero += int(torch.count_nonzero(m))
+            lows.append(int((m.sub_(1) if signed else m - 1).numpy().view(unsigned).min()))
+    return xi.numel() - nonzero, (min(lows) + 1 if nonzero else -1)
 
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-_FLOAT_OF_BITS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
-_MAGNITUDE = {2: (1 << 15) - 1, 4: (1 << 31) - 1, 8: (1 << 63) - 1}  # every bit but the sign bit
 
 
-def _zeros_and_absmin(a: torch.Tensor) -> tuple[int, float]:
-    """Zero count and smallest non-zero value of ``a = |x|`` (a finite CPU tensor, modified in place).
+def _float_of_bits(bits: int, dtype: torch.dtype) -> float:
+    """The value of a non-negative bit pattern of ``dtype`` as a Python float (``struct``: no array made)."""
+    if dtype == torch.bfloat16:  # bfloat16 is the top half of a float32
+        return float(_F32.unpack(_U32.pack(bits << 16))[0])
+    fmt_u, fmt_f = _STRUCTS[dtype]
+    return float(fmt_f.unpack(fmt_u.pack(bits))[0])
 
-    ``|x|`` has its sign bit clear, so its bit pattern read as an unsigned integer orders like its value.
-    Subtracting 1 (in place, on the temporary) sends zeros to the largest integer and keeps every other
-    value's order, so the minimum plus 1 is the bit pattern of the smallest non-zero ``|x|``.
-    """
-    a = a.contiguous().reshape(-1)
-    u = a.view(_INT[a.element_size()]).numpy().view(_UINT[a.element_size()])
-    n_zero = int(u.size - np.count_nonzero(u))
-    if n_zero == u.size:
-        return n_zero, _NAN
-    u -= 1
-    return n_zero, _float_of_bits(int(u.min()) + 1, a.dtype)
+
+_U32, _F32 = struct.Struct("<I"), struct.Struct("<f")
+_STRUCTS = {
+    torch.float16: (struct.Struct("<H"), struct.Struct("<e")),
+    torch.float32: (_U32, _F32),
+    torch.float64: (struct.Struct("<Q"), struct.Struct("<d")),
+}
 
 
 def is_clean_host(t: torch.Tensor) -> bool:

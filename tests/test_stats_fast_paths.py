@@ -1,9 +1,9 @@
 """The cheaper CPU statistics paths give exactly the statistics of the numpy reference.
 
-``stats_host`` takes min/max as ``amin`` + ``amax`` for large float32/float64 tensors
-(``_stats.SPLIT_MINMAX_ELEMENTS``) and finds the smallest ``|x|`` of a tensor holding both signs from integer
-minima over its bits (``_stats._least_magnitude``), falling back to the ``|x|`` pass when a ``+0.0`` or
-``-0.0`` is present. Each case below is built so that one branch decides: the value nearest zero negative or
+``stats_host`` reads a float's bits as integers (``_stats._bits_stats``): an integer min/max (numpy's up to
+``_stats.NUMPY_ELEMENTS`` elements, torch's above), for a tensor of both signs a float ``amin`` and an unsigned
+minimum, and for a tensor holding a ``+0.0`` or ``-0.0`` the zero count and smallest non-zero magnitude
+(``_stats._zeros_and_least``). Each case below is built so that one branch decides: the value nearest zero negative or
 positive, a lone ``-0.0`` or ``+0.0``, subnormals, a NaN or inf in a large tensor, strided views, every dtype.
 """
 
@@ -19,7 +19,7 @@ from nantrace import _stats
 from nantrace._stats import stats_device, stats_host
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-BIG = _stats.SPLIT_MINMAX_ELEMENTS + 17  # above the split threshold, not a multiple of anything
+BIG = _stats.NUMPY_ELEMENTS + 17  # above the numpy threshold, not a multiple of anything
 
 
 def _same(got: tuple[float, ...] | list[float], ref: list[float]) -> bool:
@@ -53,11 +53,24 @@ def _cases(n: int, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
         for i, v in plant.items():
             t[i] = v
         out.append((name, t))
+    for name, sign, plant in [  # one sign: the signed integer min/max decides alone
+        ("positive only", 1.0, {}),
+        ("negative only", -1.0, {}),
+        ("positive with +0.0 (ReLU)", 1.0, {0: 0.0, n // 3: 0.0, 9: tiny / 4}),
+        ("negative with -0.0", -1.0, {n - 1: -0.0, 9: -tiny * 4}),
+        ("negative with +0.0", -1.0, {2: 0.0}),
+        ("negative, -inf", -1.0, {4: -math.inf}),
+        ("positive, nan", 1.0, {4: math.nan}),
+    ]:
+        t = _base(n, dtype, seed=len(out)).abs() * sign
+        for i, v in plant.items():
+            t[i] = v
+        out.append((name, t))
     return out
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
-@pytest.mark.parametrize("n", [64, BIG], ids=["small", "above the split threshold"])
+@pytest.mark.parametrize("n", [64, BIG], ids=["small", "above the numpy threshold"])
 def test_fast_paths_match_the_numpy_reference(dtype: torch.dtype, n: int) -> None:
     for name, t in _cases(n, dtype):
         ref = test_stats_properties.reference(t)
@@ -78,14 +91,6 @@ def test_the_smallest_magnitude_comes_from_the_right_sign() -> None:
     assert stats_host(t)[3] == torch.tensor(1e-45).item()
 
 
-def test_least_magnitude_reads_bits_without_a_temporary_and_flags_zeros() -> None:
-    x = torch.tensor([3.0, -0.25, 0.5])
-    bits = _stats._least_magnitude(x)
-    assert bits == torch.tensor([0.25]).view(torch.int32).item()
-    assert _stats._least_magnitude(torch.tensor([1.0, -1.0, 0.0])) == 0
-    assert _stats._least_magnitude(torch.tensor([1.0, -1.0, -0.0])) == 0
-
-
 def test_a_negative_bit_view_is_described_by_its_values() -> None:
     neg_view = getattr(torch, "_neg_view", None)
     if neg_view is None:
@@ -96,18 +101,20 @@ def test_a_negative_bit_view_is_described_by_its_values() -> None:
     assert stats_host(view) == (-3.0, 2.0, 3.0, 0.5, 0.0, 0.0, 0.0, 0.0)
 
 
-def test_large_float32_takes_two_reductions_and_small_ones_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
+def test_small_tensors_are_read_by_numpy_and_large_ones_by_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One integer min/max over the bits: numpy's for a tensor of at most ``NUMPY_ELEMENTS`` elements (no torch
+    reduction at all), torch's ``aminmax`` on the integer view for a larger one; the same values either way."""
+    calls: list[tuple[torch.dtype, int]] = []
     orig = torch.aminmax
 
     def counting(t: torch.Tensor, *args: object, **kwargs: object) -> object:
-        calls.append(t.numel())
+        calls.append((t.dtype, t.numel()))
         return orig(t, *args, **kwargs)
 
     monkeypatch.setattr(torch, "aminmax", counting)
-    big = _base(BIG, torch.float32, seed=1)
-    assert stats_host(big)[:2] == (float(big.min()), float(big.max()))
+    big = _base(BIG, torch.float32, seed=1).abs()  # one sign: the integer min/max is the whole statistic
+    small = big[:100]
+    assert _same(stats_host(small), test_stats_properties.reference(small))
     assert calls == []
-    stats_host(big[:100])
-    stats_host(big.half())  # float16: aminmax at every size
-    assert calls == [100, BIG]
+    assert _same(stats_host(big), test_stats_properties.reference(big))
+    assert calls == [(torch.int32, BIG)]

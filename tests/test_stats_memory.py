@@ -129,8 +129,9 @@ def test_out_of_memory_in_a_statistic_drops_that_record_and_warns_once(
     ref_model = _Net()
     ref_loss = _step(ref_model, x)
 
-    op = "abs" if sync_free else "aminmax"  # the first pass of the path over this small tensor
-    orig = getattr(torch, op)
+    # the first pass of the path over this small tensor: torch.abs on the device path, the bits on the host one
+    owner, op = (torch, "abs") if sync_free else (_stats, "_bits_stats")
+    orig = getattr(owner, op)
 
     def failing(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         in_stats = sys._getframe(1).f_globals.get("__name__") == "nantrace._stats"  # the statistics' own call
@@ -138,7 +139,7 @@ def test_out_of_memory_in_a_statistic_drops_that_record_and_warns_once(
             raise torch.OutOfMemoryError("planted: no memory for this tensor's statistics")
         return orig(t, *args, **kwargs)
 
-    monkeypatch.setattr(torch, op, failing)
+    monkeypatch.setattr(owner, op, failing)
     m = _Net()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
