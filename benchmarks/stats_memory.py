@@ -16,8 +16,8 @@ import subprocess
 import sys
 
 CASES = {
-    "host, mixed signs (|x| pass)": ("host", "mixed"),
-    "host, ReLU-like (zeros: |x| as integers)": ("host", "relu"),
+    "host, mixed signs (integer min/max over the bits)": ("host", "mixed"),
+    "host, ReLU-like (zeros counted on the magnitude bits, a chunk at a time)": ("host", "relu"),
     "host, holds NaN (falls back to the device reductions)": ("host", "nan"),
     "sync_free, clean": ("device", "mixed"),
     "sync_free, holds NaN and inf": ("device", "nan"),

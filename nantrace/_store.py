@@ -51,7 +51,8 @@ def to_host(tensors: Sequence[torch.Tensor]) -> np.ndarray:
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     out = np.empty(int(offsets[-1]), dtype=np.float64)
     for idxs in by_device.values():
-        flat = torch.cat([tensors[i].detach().reshape(-1).double() for i in idxs]).cpu().numpy()
+        with torch.no_grad():  # no detach per tensor: nothing here is recorded by autograd
+            flat = torch.cat([tensors[i].to(torch.float64).reshape(-1) for i in idxs]).cpu().numpy()
         pos = 0
         for i in idxs:
             out[offsets[i] : offsets[i + 1]] = flat[pos : pos + sizes[i]]
@@ -259,7 +260,7 @@ class Store:
         self.dtypes = Interner()
         self.shapes = Interner()
         self.args = Interner()
-        self.pending_meta: list[tuple[int, ...]] = []
+        self.pending_meta = array("q")  # the rows' META_COLUMNS, flat: one int64 per field
         self.pending_stats: list[torch.Tensor | tuple[float, ...]] = []
         self.chunks: list[dict[str, np.ndarray]] = []
         self.step_rows = StepRows()
@@ -272,7 +273,7 @@ class Store:
     # ----------------------------------------------------------------- recording (hot path)
     def add(self, meta: tuple[int, ...], stats: torch.Tensor | tuple[float, ...]) -> None:
         """Append one row; ``meta`` follows ``META_COLUMNS`` (codes for categorical fields, -1 for None)."""
-        self.pending_meta.append(meta)
+        self.pending_meta.extend(meta)
         self.pending_stats.append(stats)
 
     # ----------------------------------------------------------------- step boundary
@@ -280,7 +281,7 @@ class Store:
         """Close ``step``: one host copy of the step's tensors, then numpy columns and a ``steps`` row."""
         stats_items = self.pending_stats
         meta = self.pending_meta
-        self.pending_stats, self.pending_meta = [], []
+        self.pending_stats, self.pending_meta = [], array("q")
         dev_idx = [i for i, s in enumerate(stats_items) if isinstance(s, torch.Tensor)]
         scalars: list[torch.Tensor] = []
         names: list[tuple[str, int]] = []
@@ -319,14 +320,15 @@ class Store:
             float(x) for x in pending.losses if not isinstance(x, torch.Tensor)
         ]
         scale = scalar("scale")
-        n = len(meta)
+        n = len(stats_items)
         if n:
-            mat = np.empty((n, N_STATS), dtype=np.float64)
-            dev_vals = iter(got.get("stats", []))
-            for i, s in enumerate(stats_items):
-                mat[i] = next(dev_vals) if isinstance(s, torch.Tensor) else s
-            m = np.asarray(meta, dtype=np.int64)
-            self.chunks.append(self._columns(m, mat, 1.0 if math.isnan(scale) else scale))
+            if dev_idx:
+                dev_vals = iter(got.get("stats", []))
+                mat = np.array([next(dev_vals) if isinstance(s, torch.Tensor) else s for s in stats_items])
+            else:  # the CPU path: tuples of floats only
+                mat = np.array(stats_items, dtype=np.float64)
+            m = np.frombuffer(meta, dtype=np.int64).reshape(n, len(META_COLUMNS))
+            self.chunks.append(self._columns(m, mat.reshape(n, N_STATS), 1.0 if math.isnan(scale) else scale))
         norms = [float(a[0]) for a in got.get("grad_norm", [])]
         grad_norm = math.nan
         if norms:
