@@ -113,7 +113,7 @@ class Recorder:
         hit = self.cache.get(key)
         if hit is not None and hit[0]() is t and hit[1] == ver and ver >= 0:
             return hit[2], hit[3]
-        if t.device.type == "cpu" and not self.sync_free:
+        if not self.sync_free and t.is_cpu:
             stats: Any = stats_host(t)
         else:
             stats = stats_device(t)
@@ -147,7 +147,7 @@ class Recorder:
             return
         store = self.store
         try:
-            if self.light and not self.sync_free and t.device.type == "cpu" and is_clean_host(t):
+            if self.light and not self.sync_free and t.is_cpu and is_clean_host(t):
                 return
             stats, event = self.stat(t)
         except (torch.OutOfMemoryError, MemoryError):

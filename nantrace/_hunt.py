@@ -247,7 +247,7 @@ def kinds_of_tree(obj: Any) -> frozenset[str]:
 def _input_range(tensors: list[torch.Tensor]) -> tuple[float, float]:
     absmax, absmin = math.nan, math.nan
     for t in tensors:
-        s = stats_host(t) if t.device.type == "cpu" else tuple(stats_device(t).tolist())
+        s = stats_host(t) if t.is_cpu else tuple(stats_device(t).tolist())
         if not math.isnan(s[2]):
             absmax = s[2] if math.isnan(absmax) else max(absmax, s[2])
         if not math.isnan(s[3]):
