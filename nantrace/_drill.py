@@ -26,11 +26,14 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
+import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
 import torch
+from torch.nn.modules import module as _module_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -43,8 +46,10 @@ __all__ = [
     "CastWatch",
     "FirstNonfinite",
     "Found",
+    "Made",
     "Substitute",
     "Suspects",
+    "call_key",
     "drill_call",
     "headroom_fraction",
     "reaches_output",
@@ -83,11 +88,13 @@ class FirstNonfinite(TorchFunctionMode):
     """Replays a forward and stops at the first torch op that *produced* a kind not in ``known`` (the module
     call's input kinds): one of its outputs holds it and none of its inputs did, a non-finite scalar argument
     counting as an input (:func:`nantrace._stats.op_input_kinds`, the rule of :func:`nantrace.hunt`).
-    ``found`` is ``(op name, kind, position, source line)``; of several new kinds, inf is named before NaN."""
+    ``found`` is ``(op name, kind, position, source line)``; of several new kinds, inf is named before NaN.
+    ``made``: notes every floating value an op returned (:class:`Made`)."""
 
-    def __init__(self, known: frozenset[str]) -> None:
+    def __init__(self, known: frozenset[str], made: Made | None = None) -> None:
         super().__init__()
         self.known = known
+        self.made = made
         self.found: Found | None = None
         self.index = 0
         # the producing op's operands (copies of in-place ones, taken before the op) and result, kept only until
@@ -110,6 +117,8 @@ class FirstNonfinite(TorchFunctionMode):
         snap = [t.clone() for t in tensors] if inplace else None
         out = func(*args, **kwargs)
         self.index += 1
+        if self.made is not None:
+            self.made.op(out)
         for _, t in flatten(out, "out"):
             if not describable(t):
                 continue
@@ -120,6 +129,81 @@ class FirstNonfinite(TorchFunctionMode):
                 self.operands, self.result = named_operands(args, kwargs, snap), t
                 raise Stop
         return out
+
+
+class Made:
+    """Whether a replay made an *intermediate* floating value: one that is not a module call's output.
+
+    Used as one of :func:`replay_call`'s modes, next to a :class:`FirstNonfinite` holding it: every describable
+    tensor an op returns is noted (a weak reference and its version counter, nothing kept alive), and global
+    module forward (pre-)hooks, registered for the replay only, mark each noted value that a module call returns
+    unchanged (same object, same version) as that call's output: ``2`` for the replayed call's own output, ``1``
+    for the output of a module called inside it whose outputs the trace records (``recorded``). A value still
+    unmarked when the call that ran its op returns is an intermediate (``intermediate`` becomes True and noting
+    stops). When the replayed call returns with no intermediate, ``plain`` is ``"own"`` (every value an op made
+    is the call's output: a ReLU, a dropout, a Linear, an Identity) or ``"children"`` (some are outputs of the
+    modules it called: a Sequential of those). ``plain`` stays None when the replay stopped early or made an
+    intermediate. An in-place op makes a new value (its version changed), so ``h.mul_(c)`` on a child's output
+    is an intermediate unless a module returns it."""
+
+    def __init__(self, recorded: Callable[[torch.nn.Module], bool] = lambda m: True) -> None:
+        self.recorded = recorded  # whether a module's calls have their outputs recorded (only those count)
+        self.order: list[list[Any]] = []  # [weak reference, version, mark] per value, in op order
+        self.by_id: dict[int, list[list[Any]]] = {}
+        self.starts: list[int] = []  # len(order) when each open module call began
+        self.intermediate = False
+        self.plain: str | None = None
+        self.handles: list[Any] = []
+        self.thread = threading.get_ident()  # module calls of other threads during the replay are not its own
+
+    def op(self, out: Any) -> None:
+        """Note the describable tensors of one op's output (called by :class:`FirstNonfinite`)."""
+        if self.intermediate:
+            return
+        with torch._C.DisableTorchFunction():  # no tensor attribute read here is an op of the replay
+            for _, t in flatten(out, "out"):
+                if describable(t):
+                    entry = [weakref.ref(t), t._version, 0]
+                    self.order.append(entry)
+                    self.by_id.setdefault(id(t), []).append(entry)
+
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        if threading.get_ident() == self.thread:
+            self.starts.append(len(self.order))
+
+    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self.starts or threading.get_ident() != self.thread:
+            return
+        start = self.starts.pop()
+        if self.intermediate:
+            return
+        mark = 1 if self.starts else 2
+        if mark == 1 and not self.recorded(module):
+            mark = 0  # an output nothing records is no module boundary the trace can vouch for
+        with torch._C.DisableTorchFunction():
+            for _, t in flatten(output, "out"):
+                for entry in self.by_id.get(id(t), ()):
+                    if entry[0]() is t and entry[1] == t._version:
+                        entry[2] = max(entry[2], mark)
+        if any(entry[2] == 0 for entry in self.order[start:]):
+            self.intermediate = True
+            self.order, self.by_id = [], {}
+        elif not self.starts:
+            self.plain = "children" if any(entry[2] == 1 for entry in self.order) else "own"
+
+    def __enter__(self) -> Made:
+        self.thread = threading.get_ident()
+        self.handles = [
+            _module_hooks.register_module_forward_pre_hook(self._pre),
+            _module_hooks.register_module_forward_hook(self._post),
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self.order, self.by_id, self.starts = [], {}, []
 
 
 class CastWatch(TorchDispatchMode):
@@ -244,17 +328,25 @@ def headroom_fraction(items: list[tuple[str, Any]], stats_of: Callable[[Any], An
 
 
 def drill_call(
-    module: torch.nn.Module, args: Any, kwargs: Any, known: frozenset[str], *, transient: bool = False
+    module: torch.nn.Module,
+    args: Any,
+    kwargs: Any,
+    known: frozenset[str],
+    *,
+    transient: bool = False,
+    made: Made | None = None,
 ) -> tuple[str, str, str, str | None, bool] | None:
     """``(op, kind, operand facts, source line, reaches)`` of the first op of the call that made a kind not in
     ``known`` (:class:`FirstNonfinite`, with :class:`CastWatch` for dtype casts), or None. The operand facts are
     the JSON text of :func:`nantrace._opfacts.operand_facts` (``""`` when they could not be read). ``transient``:
     the call's output was finite, so ``reaches`` says whether the op's value changed it
-    (:func:`reaches_output`); else it is True."""
-    mode, cast = FirstNonfinite(known), CastWatch(known)
+    (:func:`reaches_output`); else it is True. ``made``: notes whether the replay made an intermediate value
+    (:class:`Made`, read by :meth:`Suspects.learn`)."""
+    mode, cast = FirstNonfinite(known, made), CastWatch(known)
     # autocast's casts are the only ops CastWatch looks for, and the drill-down runs on CPU tensors only: without
     # CPU autocast the dispatch-level mode is left out (it costs Python on every aten op of the replay)
-    replay_call(module, args, kwargs, mode, *([cast] if torch.is_autocast_enabled("cpu") else []))
+    modes = [mode, *([made] if made is not None else [])]
+    replay_call(module, args, kwargs, *modes, *([cast] if torch.is_autocast_enabled("cpu") else []))
     found = cast.found or mode.found
     if found is None:
         return None
@@ -281,11 +373,25 @@ class Suspects:
       variance, ``pow(x, 3)`` or ``|a|²·|b|²`` does, overflows inside the call, and the backward of such an op
       (``3·x²`` times a saturated zero gradient) makes NaN. After a replay the module waits for its input's
       absmax to double (in float16) before the next.
-    """
+
+    A signal is passed over (:meth:`skips`) for a call of a module whose earlier replay, with the same inputs'
+    structure (:func:`call_key`), made no intermediate floating value (:class:`Made`): every value an op of the
+    call made was the call's own output (``"own"``: a ReLU, a dropout, a GELU, a Linear, an Identity), or the
+    output of a module it called (``"children"``: a Sequential of such). A transient inf is a value an op made
+    that the call turned finite, so it needs an intermediate: the drill-down names an op whose output holds a
+    kind its inputs did not, and here every op output is a recorded module output. ``"own"`` holds when the
+    call's output is finite (the transient path's premise); ``"children"`` also needs every kind recorded in the
+    micro-step to be one of the call's input kinds (no child output held a kind that a replay would call new).
+    The rule assumes a module runs the same ops for calls with the same key (input paths, shapes, dtypes,
+    requires_grad, scalar arguments, training mode, grad mode); a key whose replay ever made an intermediate is
+    never passed over. Under CPU autocast nothing is passed over (a cast inside one op is an intermediate that
+    :class:`CastWatch` names)."""
 
     def __init__(self) -> None:
         self.zero_high: dict[int, float] = {}  # per module: the largest fraction of zeros its outputs held
         self.reach_high: dict[int, float] = {}  # per module: the largest log2(input absmax) / log2(dtype max)
+        self.plain: dict[Any, str] = {}  # call key -> "own" / "children": a replay made no intermediate value
+        self.mixed: set[Any] = set()  # call keys whose replay made an intermediate value: never passed over
 
     def check(
         self, mcode: int, ins: list[tuple[str, Any]], output: Any, stats_of: Callable[[Any], Any]
@@ -304,6 +410,56 @@ class Suspects:
             self.reach_high[mcode] = reach + 1.0 / 16
             hit = True
         return hit
+
+    def skips(self, key: Any, output: Any, stats_of: Callable[[Any], Any], children_clean: bool) -> bool:
+        """True when a call with ``key`` cannot hide a transient inf: an earlier replay with that key made no
+        intermediate value, the call's outputs have host statistics (their finiteness was read, not assumed),
+        and, for ``"children"``, ``children_clean``: no kind was recorded in the micro-step beyond the call's
+        input kinds and no record was dropped."""
+        if key is None or key in self.mixed:
+            return False
+        plain = self.plain.get(key)
+        if plain is None or (plain == "children" and not children_clean):
+            return False
+        return _host_stats(list(flatten(output, "o")), stats_of) is not None
+
+    def learn(self, key: Any, made: Made) -> None:
+        """Remember what the replay of a call with ``key`` showed (:class:`Made`): an intermediate value marks
+        the key for good; a replay that ran to its end without one makes it plain."""
+        if key is None:
+            return
+        if made.intermediate:
+            self.mixed.add(key)
+            self.plain.pop(key, None)
+        elif made.plain is not None and key not in self.mixed:
+            self.plain[key] = made.plain
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def call_key(mcode: int, module: torch.nn.Module, args: Any, kwargs: Any) -> tuple[Any, ...] | None:
+    """What a module's ops are assumed to depend on, for :meth:`Suspects.skips`: the module, its training mode,
+    the grad mode, each input tensor's path, shape, dtype and requires_grad, and the scalar arguments (a
+    non-scalar, non-tensor argument by its type). None under CPU autocast (never passed over)."""
+    if torch.is_autocast_enabled("cpu"):
+        return None
+    try:
+        tensors = tuple(
+            (path, t.shape, t.dtype, t.requires_grad)
+            for path, t in [*flatten(args, "input"), *flatten(kwargs, "input")]
+        )
+        named = [*enumerate(args), *sorted(kwargs.items())]
+        scalars = tuple(
+            (k, v if isinstance(v, _SCALARS) else type(v))
+            for k, v in named
+            if not isinstance(v, torch.Tensor)
+        )
+        key = (mcode, module.training, torch.is_grad_enabled(), tensors, scalars)
+        hash(key)
+    except Exception:  # best effort: a call without a key is never passed over
+        return None
+    return key
 
 
 def zero_fraction(items: list[tuple[str, Any]], stats_of: Callable[[Any], Any]) -> float | None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ._drill import CAST_OP, FirstNonfinite, Suspects, drill_call
+from ._drill import CAST_OP, FirstNonfinite, Made, Suspects, call_key, drill_call
 from ._naming import positional_names
 from ._schema import PHASE_CODE
 from ._stats import describable, is_clean_host, stats_device, stats_host
@@ -83,6 +83,8 @@ class Recorder:
             set()
         )  # (module code, call) whose own code made a kind first seen
         self.suspects = Suspects()  # the cheap signals of a transient inf in a finite call
+        # the modules whose calls are recorded (their outputs are boundaries the drill-down can vouch for)
+        self.recorded: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self.covered: set[tuple[int, int]] = set()  # open calls around a call that named a transient value
         self.sync_free = sync_free
         self.phases = record_phases
@@ -247,15 +249,21 @@ class Recorder:
         *,
         transient: bool = False,
         micro: int | None = None,
+        key: Any = None,
     ) -> bool:
         """Replay the call on copies of its inputs and buffers with recording off (:func:`nantrace._drill.drill_call`,
         host path only; best effort) and add an ``ops`` row for the op that made a new kind, with the user's
-        source line and ``reaches`` (``transient``: the output was finite). True when an op was named."""
+        source line and ``reaches`` (``transient``: the output was finite). True when an op was named. ``key``
+        (:func:`nantrace._drill.call_key`): what the replay showed about intermediate values is learned for it
+        (:meth:`nantrace._drill.Suspects.learn`)."""
+        made = Made(self.recorded.__contains__) if key is not None else None
         self.active = False
         try:
-            found = drill_call(module, args, kwargs, known, transient=transient)
+            found = drill_call(module, args, kwargs, known, transient=transient, made=made)
         finally:
             self.active = True
+        if made is not None:
+            self.suspects.learn(key, made)
         if found is None:
             return False
         op, kind, facts, line, reaches = found
@@ -290,12 +298,17 @@ class Recorder:
             transient = out is not None and (mcode, call) not in self.covered
             cached = functools.partial(_cached, self.cache)
             suspect = transient and self.suspects.check(mcode, ins, out, cached) and _same(ins, versions)
-            if suspect and self.replay(module, args, kwargs, in_kinds, mcode, call, transient=True):
+            key = call_key(mcode, module, args, kwargs) if suspect else None
+            # no child output recorded in the micro-step held a kind beyond the call's inputs', none was dropped
+            children = self.seen_kinds <= in_kinds and self.dropped_records == 0
+            if suspect and self.suspects.skips(key, out, cached, children):
+                return False  # an earlier replay of such a call made no intermediate value: nothing to name
+            if suspect and self.replay(module, args, kwargs, in_kinds, mcode, call, transient=True, key=key):
                 self.covered.update(k[:2] for k in self.stack)  # the calls around it see the same value
             return False
         if not _same(ins, versions):  # inputs modified in place by the call: a replay would not be faithful
             return False
-        self.replay(module, args, kwargs, in_kinds, mcode, call)
+        self.replay(module, args, kwargs, in_kinds, mcode, call, key=call_key(mcode, module, args, kwargs))
         if self.light and where is not None and where[0] in self.phases:
             _light_inputs(self, where[0], mcode, where[1], call, ins, where[2], positional_names(module))
         return True

@@ -388,6 +388,7 @@ class Recording:
             self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
             self.handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
             _ACTIVE[m] = self
+            rec.recorded.add(m)  # the drill-down vouches only for outputs the trace records
         self.handles.append(self.root.register_forward_pre_hook(self._look_at_samples, with_kwargs=True))
         seen: set[int] = set()
         for name, m in self.selected:  # parameters: gradient after accumulation, value after optimizer.step()

@@ -322,3 +322,341 @@ def test_relu_zeros_cost_one_replay_per_new_high_and_name_nothing(monkeypatch: p
     calls, on, off = _healthy(monkeypatch, nn.ReLU(), lr=0.0)
     assert calls == ["ReLU", "Sequential"] and len(on.ops) == 0 and on.first_overflow() is None
     pd.testing.assert_frame_equal(on.records[_COLS], off.records[_COLS])
+
+
+# ------------------------------------------------------------------ replays passed over: no intermediate value
+
+
+def _count_replays(monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple[str, int]], list[bool]]:
+    """Wrap ``Recorder.replay`` (each replay: module class, step) and ``Suspects.skips`` (asked for each call
+    whose signal was at a new high: True when it was passed over)."""
+    import nantrace._drill as drill
+    import nantrace._hooks as hooks
+
+    replays: list[tuple[str, int]] = []
+    skipped: list[bool] = []
+    real_replay, real_skips = hooks.Recorder.replay, drill.Suspects.skips
+
+    def replay(self: Any, module: nn.Module, *a: Any, **k: Any) -> bool:
+        replays.append((type(module).__name__, self.step))
+        return real_replay(self, module, *a, **k)
+
+    def skips(self: Any, *a: Any) -> bool:
+        skipped.append(real_skips(self, *a))
+        return skipped[-1]
+
+    monkeypatch.setattr(hooks.Recorder, "replay", replay)
+    monkeypatch.setattr(drill.Suspects, "skips", skips)
+    return replays, skipped
+
+
+class Leaf(nn.Module):
+    """``inner`` between an identity Linear (no zero in its output) and ``+ 0.5`` (no zero after): the zeros
+    signal is the inner module's alone."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.fc = _eye()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.fc(x)) + 0.5
+
+
+def _eye() -> nn.Linear:
+    """An identity Linear(8→8): its output is its input, so an input's signs set a ReLU's zeros after it."""
+    fc = nn.Linear(8, 8)
+    with torch.no_grad():
+        fc.weight.copy_(torch.eye(8))
+        fc.bias.zero_()
+    return fc
+
+
+def _steps(m: nn.Module, xs: list[torch.Tensor]) -> nantrace.Trace:
+    with nantrace.trace(m) as tr:
+        for x in xs:
+            m(x).sum().backward()
+            tr.step()
+    return tr
+
+
+def _growing(n: int = 20, rows: int = 4) -> list[torch.Tensor]:
+    """Inputs drifting negative step by step: a ReLU's zero fraction reaches new highs (no exact zero in them)."""
+    torch.manual_seed(0)
+    return [torch.randn(rows, 8) - 0.3 * i for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("inner", "name"), [(nn.Dropout(0.5), "Dropout"), (nn.ReLU(), "ReLU")], ids=["dropout", "relu"]
+)
+def test_a_single_op_module_is_replayed_once_per_trace(
+    monkeypatch: pytest.MonkeyPatch, inner: nn.Module, name: str
+) -> None:
+    """Dropout in train mode and ReLU run one op whose output is the call's output: no value in between could
+    hold a transient inf. The first signal replays the call and learns that; every later new high of the zero
+    fraction is passed over (there are some: without the rule each would be a replay)."""
+    replays, skipped = _count_replays(monkeypatch)
+    torch.manual_seed(1)
+    tr = _steps(Leaf(inner), _growing())
+    assert replays == [(name, 0)]
+    assert skipped[0] is False and len(skipped) >= 2 and all(skipped[1:])
+    assert len(tr.ops) == 0
+
+
+def _negatives(rows: int, n: int) -> torch.Tensor:
+    """``rows`` x 8 values of 1, the first ``n`` of them (row-major) -1: a ReLU makes exactly ``n`` zeros."""
+    x = torch.ones(rows * 8)
+    x[:n] = -1.0
+    return x.reshape(rows, 8)
+
+
+def test_a_new_input_shape_is_learned_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule is learned per input structure: a ReLU on 4 rows (zero fractions 0.25, then 0.875 at step 3)
+    and on 2 rows (0.5 at step 1, 0.75 at step 2) is replayed at the first new high of each shape only."""
+    replays, skipped = _count_replays(monkeypatch)
+    xs = [_negatives(4, 8), _negatives(2, 8), _negatives(2, 12), _negatives(4, 28)]
+    tr = _steps(Leaf(nn.ReLU()), xs)
+    assert replays == [("ReLU", 0), ("ReLU", 1)]
+    assert skipped == [False, False, True, True]
+    assert len(tr.ops) == 0
+
+
+_RISING = [_negatives(2, 2), _negatives(2, 4), _negatives(2, 6), _negatives(2, 8)]  # 1/8, 1/4, 3/8, 1/2 zeros
+
+
+class OwnOp(nn.Module):
+    """A container whose own code makes a value between its children (``fc(x) * 2``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.relu = _eye(), nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.fc(x) * 2.0)
+
+
+def test_a_container_of_single_op_children_is_replayed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sequential(Linear, ReLU): every value made in its call is a child's output (recorded, finite), so after
+    its first replay its new highs (steps 1-3, like the ReLU's) are passed over."""
+    replays, skipped = _count_replays(monkeypatch)
+    tr = _steps(Leaf(nn.Sequential(_eye(), nn.ReLU())), _RISING)
+    assert replays == [("ReLU", 0), ("Sequential", 0)]
+    assert skipped == [False, False, True, True, True, True, True, True]
+    assert len(tr.ops) == 0
+
+
+def test_a_container_whose_own_code_makes_a_value_is_replayed_at_every_new_high(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``relu(fc(x) * 2)``: the product is an intermediate no module call returns, so the container is replayed
+    at each new high of its zero fraction (steps 0-3); its ReLU child once."""
+    replays, skipped = _count_replays(monkeypatch)
+    _steps(Leaf(OwnOp()), _RISING)
+    assert replays == [("ReLU", 0), ("OwnOp", 0), ("OwnOp", 1), ("OwnOp", 2), ("OwnOp", 3)]
+    assert skipped == [False, False, True, False, True, False, True, False]
+
+
+class MaskThenSeq(nn.Module):
+    """A sibling makes -inf (``masked_fill``) before a Sequential(Linear, ReLU) runs on a finite tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask = Masker()
+        self.seq = nn.Sequential(_eye(), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = self.mask(x)
+        return self.seq(x) + mask.exp()
+
+
+class Masker(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.masked_fill(x < 0, float("-inf"))
+
+
+def test_a_container_is_replayed_when_a_kind_was_recorded_in_the_micro_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """-inf was recorded (the Masker's output) and is not among the Sequential's input kinds: a child's output
+    could hold a kind its replay would call new, so the Sequential is replayed at each new high (steps 0-3)
+    while its single-op ReLU (whose values are its own output, recorded finite) is replayed once."""
+    replays, _ = _count_replays(monkeypatch)
+    _steps(MaskThenSeq(), _RISING)
+    assert [r for r in replays if r[0] in ("ReLU", "Sequential")] == [
+        ("ReLU", 0),
+        ("Sequential", 0),
+        ("Sequential", 1),
+        ("Sequential", 2),
+        ("Sequential", 3),
+    ]
+
+
+class Gate(nn.Module):
+    """``relu(x) · rsqrt(mean(relu(x)²))``, no float32 upcast: several ops with values in between. A row of 300s
+    makes x² = 90000 > 65504, so the mean is inf and ``rsqrt(inf) = 0`` turns the row silently to 0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(x)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_a_multi_op_module_with_a_transient_inf_at_step_3_is_named_at_step_3(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Steps 0-2 are clean (1, 2, 3 negatives of 16: new highs of the zero fraction, replayed, nothing found);
+    at step 3 row 0 is 300s: the Gate's `pow` makes +inf that `rsqrt` turns to 0. The Gate ran several ops,
+    so its replays are never passed over, and the op is named at step 3."""
+    replays, skipped = _count_replays(monkeypatch)
+    m = Wrap(Gate()).half()
+    xs = [_negatives(2, n).half() for n in (1, 2, 3)]
+    bad = _negatives(2, 12).half()
+    bad[0] = 300.0
+    xs.append(bad)
+    with nantrace.trace(m) as tr:
+        for x in xs:
+            m(x).float().sum().backward()
+            tr.step()
+    assert tr.ops[["step", "module", "call", "op", "kind", "source", "reaches"]].values.tolist() == [
+        [3, "inner", 0, "pow", "posinf", _line(Gate, 2), True]
+    ]
+    assert [r for r in replays if r[0] == "Gate"] == [("Gate", 0), ("Gate", 1), ("Gate", 2), ("Gate", 3)]
+    assert not any(skipped)
+    assert _where(tr.first_overflow()) == (3, "forward", "inner", 0, "output", "inf")
+
+
+class InPlaceOnChild(nn.Module):
+    """``h = fc(x); h.mul_(2); relu(h)``: the in-place product is a new value that no module call returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.relu = _eye(), nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h.mul_(2.0)
+        return self.relu(h)
+
+
+class Residual(nn.Module):
+    """``relu(fc(x) + x)``: the sum, made by the block's own code, is an intermediate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.relu = _eye(), nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.fc(x) + x)
+
+
+class Raises(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize(
+    ("module", "plain", "intermediate"),
+    [
+        (nn.ReLU(), "own", False),
+        (nn.Dropout(0.5), "own", False),
+        (nn.Identity(), "own", False),
+        (nn.Linear(8, 8), "own", False),
+        (nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU()), "children", False),
+        (OwnOp(), None, True),
+        (InPlaceOnChild(), None, True),
+        (Residual(), None, True),
+        (Gate(), None, True),
+        (Raises(), None, False),
+    ],
+    ids=[
+        "relu",
+        "dropout",
+        "identity",
+        "linear",
+        "sequential",
+        "own_op",
+        "inplace",
+        "residual",
+        "gate",
+        "raises",
+    ],
+)
+def test_a_replay_tells_whether_it_made_an_intermediate_value(
+    module: nn.Module, plain: str | None, intermediate: bool
+) -> None:
+    """:class:`Made` during a replay: ``"own"`` when every floating value an op made is the call's output,
+    ``"children"`` when some are outputs of its child calls (BatchNorm's counter ``add_`` is an integer, not a
+    floating value), an intermediate otherwise; nothing learned from a replay that raised. The global module
+    hooks it registers are gone after the replay either way."""
+    from torch.nn.modules import module as torch_module
+
+    from nantrace._drill import Made, drill_call
+
+    before = (dict(torch_module._global_forward_pre_hooks), dict(torch_module._global_forward_hooks))
+    made = Made()
+    assert drill_call(module, (torch.randn(4, 8),), {}, frozenset(), transient=True, made=made) is None
+    assert (made.plain, made.intermediate) == (plain, intermediate)
+    assert (dict(torch_module._global_forward_pre_hooks), dict(torch_module._global_forward_hooks)) == before
+    assert made.order == [] and made.by_id == {}  # nothing kept once the replay ended
+
+
+def test_a_replay_that_stops_at_the_producer_learns_nothing_plain() -> None:
+    """The RMSNorm's replay stops at `pow` (it made +inf): the call did not run to its end, so it is not plain;
+    the values before the stop were not judged yet, so it is not proved to have an intermediate either."""
+    from nantrace._drill import Made, drill_call
+
+    made = Made()
+    found = drill_call(RMSNorm(), (_full(300.0),), {}, frozenset(), transient=True, made=made)
+    assert found is not None and found[:2] == ("pow", "posinf")
+    assert (made.plain, made.intermediate) == (None, False)
+
+
+def test_nothing_is_passed_over_under_cpu_autocast() -> None:
+    """Under CPU autocast a single op holds a dispatch-level cast (an intermediate CastWatch names): no key."""
+    from nantrace._drill import call_key
+
+    m = nn.ReLU()
+    x = torch.randn(2, 8)
+    assert call_key(3, m, (x,), {}) == (
+        3,
+        True,
+        True,
+        (("input[0]", torch.Size([2, 8]), torch.float32, False),),
+        (),
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert call_key(3, m, (x,), {}) is None
+    assert call_key(3, m, (x, 0.5, None), {"flag": True, "extra": [x]})[4] == (
+        (1, 0.5),
+        (2, None),
+        ("extra", list),
+        ("flag", True),
+    )
+
+
+def test_a_container_whose_child_is_not_recorded_is_replayed_at_every_new_high(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``modules=`` leaving the Sequential's Linear out, its output is no recorded boundary: the
+    Sequential's replay counts it as an intermediate, so the Sequential is replayed at each new high (0-3)."""
+    replays, _ = _count_replays(monkeypatch)
+    m = Leaf(nn.Sequential(_eye(), nn.ReLU()))
+    with nantrace.trace(m, modules=["inner", "inner.1"]) as tr:
+        for x in _RISING:
+            m(x).sum().backward()
+            tr.step()
+    assert replays == [
+        ("ReLU", 0),
+        ("Sequential", 0),
+        ("Sequential", 1),
+        ("Sequential", 2),
+        ("Sequential", 3),
+    ]
+
+
+def test_only_recorded_children_are_boundaries() -> None:
+    from nantrace._drill import Made, drill_call
+
+    seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    made = Made(lambda mod: mod is not seq[0])
+    drill_call(seq, (torch.randn(2, 8),), {}, frozenset(), transient=True, made=made)
+    assert (made.plain, made.intermediate) == (None, True)
