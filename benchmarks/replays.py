@@ -1,10 +1,12 @@
 """How often the forward drill-down replays module calls on healthy models (nothing non-finite).
 
 A finite call is replayed when the recorded statistics point to a transient inf (``nantrace._drill.Suspects``:
-more zeros out than in, an input beyond the square root of its dtype's max, each at a new high per module).
-This counts, per workload, the drill-downs (``drill_call``) and the forward replays they ran (``replay_call``:
-one per drill-down, plus up to three when an op made a kind in a finite call, to tell whether it reached the
-output), over ``--steps`` traced training steps, and the module classes replayed. Workloads: ``a``, ``b``,
+more zeros out than in, an input beyond the square root of its dtype's max, each at a new high per module),
+unless an earlier replay of such a call (same module and input structure) made no intermediate value
+(``Suspects.skips``: such a signal is *passed over*). This counts, per workload, the drill-downs (``drill_call``)
+and the forward replays they ran (``replay_call``: one per drill-down, plus up to three when an op made a kind in
+a finite call, to tell whether it reached the output), over ``--steps`` traced training steps, the module classes
+replayed, and the signals passed over (0 where ``Suspects.skips`` does not exist: before the rule). Workloads: ``a``, ``b``,
 ``c`` of ``overhead.py``, the ResNet-18 and ConvNeXt-like CNN of ``real_models.py``, and HF GPT-2/BERT/RoBERTa
 when ``transformers`` is installed.
 
@@ -48,12 +50,22 @@ def _workloads(names: list[str]) -> list[Callable[[], Workload]]:
     return out
 
 
-def count(make: Callable[[], Workload], steps: int) -> tuple[str, int, int, collections.Counter[str], int]:
-    """(title, drill-downs, replays, module classes drilled, ops rows) over ``steps`` traced steps."""
+def count(
+    make: Callable[[], Workload], steps: int
+) -> tuple[str, int, int, collections.Counter[str], int, int]:
+    """(title, drill-downs, replays, module classes drilled, ops rows, signals passed over) over ``steps``
+    traced steps."""
     w = make()
     drilled: collections.Counter[str] = collections.Counter()
     replays = [0]
+    passed = [0]
     real_drill, real_replay = hooks.drill_call, drill.replay_call
+    real_skips = getattr(drill.Suspects, "skips", None)
+
+    def counted_skips(self: Any, *a: Any) -> bool:
+        skip = bool(real_skips(self, *a))  # type: ignore[misc]
+        passed[0] += skip
+        return skip
 
     def counted_drill(module: torch.nn.Module, *a: Any, **k: Any) -> Any:
         drilled[type(module).__name__] += 1
@@ -64,13 +76,17 @@ def count(make: Callable[[], Workload], steps: int) -> tuple[str, int, int, coll
         return real_replay(*a, **k)
 
     hooks.drill_call, drill.replay_call = counted_drill, counted_replay  # type: ignore[assignment]
+    if real_skips is not None:
+        drill.Suspects.skips = counted_skips  # type: ignore[method-assign]
     try:
         with nantrace.trace(w.model, optimizer=w.optimizer, scaler=w.scaler) as tr:
             for _ in range(steps):
                 w.step()
     finally:
         hooks.drill_call, drill.replay_call = real_drill, real_replay  # type: ignore[assignment]
-    return w.title, sum(drilled.values()), replays[0], drilled, len(tr.ops)
+        if real_skips is not None:
+            drill.Suspects.skips = real_skips  # type: ignore[method-assign]
+    return w.title, sum(drilled.values()), replays[0], drilled, len(tr.ops), passed[0]
 
 
 def main() -> None:
@@ -82,13 +98,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(machine_line())
     print(
-        f"| workload | drill-downs in {args.steps} steps | forward replays | ops rows | module classes drilled |"
+        f"| workload | drill-downs in {args.steps} steps | forward replays | ops rows | signals passed over "
+        "| module classes drilled |"
     )
-    print("| --- | ---: | ---: | ---: | --- |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
     for make in _workloads(args.models.split(",")):
-        title, n, r, by, rows = count(make, args.steps)
+        title, n, r, by, rows, passed = count(make, args.steps)
         classes = ", ".join(f"{k} {v}" for k, v in by.most_common()) or "none"
-        print(f"| {title} | {n} | {r} | {rows} | {classes} |", flush=True)
+        print(f"| {title} | {n} | {r} | {rows} | {passed} | {classes} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ A replay re-runs a module call on copies of its inputs and buffers with autograd
 
 A call is replayed when its output first holds a kind, when a child's input does (its own code made it), or when
 the cheap recorded signals of a finite call point to a transient inf (:class:`Suspects`: more zeros out than
-in, an input beyond the square root of its dtype's max).
+in, an input beyond the square root of its dtype's max), unless an earlier replay of such a call made no
+intermediate value (:class:`Made`), without which no transient inf can exist.
 """
 
 from __future__ import annotations
