@@ -31,7 +31,7 @@ from ._procgroup import parts as rank_parts
 from ._store import canonical_records
 from ._view import RunView, loaded_view
 
-__all__ = ["load_folder", "load_view", "save_view"]
+__all__ = ["load_folder", "load_view", "refuse_non_trace", "save_view"]
 
 
 def save_view(view: RunView, path: str | os.PathLike[str], *, recording: bool) -> Path:
@@ -44,7 +44,7 @@ def save_view(view: RunView, path: str | os.PathLike[str], *, recording: bool) -
         target = part_target(path, m.rank, m.world_size)  # one part per rank in a folder at ``path``
     else:
         target = check_target(path)
-    _refuse_non_trace(target)
+    refuse_non_trace(target, "Trace.save")
     records = view.records
     head = make_header(
         model_class=m.model_class,
@@ -60,15 +60,17 @@ def save_view(view: RunView, path: str | os.PathLike[str], *, recording: bool) -
     return write_trace(target, records, view.steps, view.ops, head)
 
 
-def _refuse_non_trace(target: Path) -> None:
-    """Raise ``NantraceError`` when ``target`` is an existing file that is not a readable nantrace trace."""
+def refuse_non_trace(target: Path, who: str) -> None:
+    """Raise ``NantraceError`` when ``target`` is an existing file that is not a readable nantrace trace (``who``
+    names what would have replaced it: ``"Trace.save"``, ``"trace(path=...)"``), so no file of the user's is
+    overwritten by a trace."""
     if not target.is_file():
         return
     try:
         read_meta(target)
     except NantraceError as e:
         raise NantraceError(
-            f"path {str(target)!r} exists and is not a nantrace trace, so Trace.save does not replace it ({e}); "
+            f"path {str(target)!r} exists and is not a nantrace trace, so {who} does not replace it ({e}); "
             "choose another path, or delete the file first"
         ) from None
 

@@ -64,6 +64,8 @@ class Trace:
             )
         opts = TraceOptions(**options)
         self._recording: Recording | None = Recording(model, scaler=scaler, optimizer=optimizer, options=opts)
+        if self._recording.stream_path is not None:  # a streamed trace ends by replacing the file at path
+            _io.refuse_non_trace(self._recording.stream_path, "trace(path=...)")
         self._loaded: RunView | None = None
         self._live: Live | None = None
         self._streamed: pd.DataFrame | None = None

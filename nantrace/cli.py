@@ -368,6 +368,15 @@ def _plot(path: Path, output: Path, what: str, step: int | None, phase: str | No
     if not output.parent.is_dir():
         _err(f"output directory {str(output.parent)!r} does not exist")
         return EXIT_USAGE
+    kinds = fig.canvas.get_supported_filetypes()  # what matplotlib writes, by file suffix
+    suffix = output.suffix.lower().lstrip(".")
+    if suffix and suffix not in kinds:
+        _err(
+            f"-o {str(output)!r}: matplotlib cannot write a .{suffix} file; end the name with one of "
+            + ", ".join(f".{k}" for k in sorted(kinds))
+            + " (e.g. .png)"
+        )
+        return EXIT_USAGE
     fig.savefig(output, dpi=110, bbox_inches="tight")
     print(f"wrote {output}")
     return EXIT_OK

@@ -318,6 +318,20 @@ def test_plot_output_that_is_a_directory_is_refused(
     assert not Path(f"{tmp_path}.png").exists()
 
 
+def test_plot_output_with_a_suffix_matplotlib_cannot_write_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved = _saved(tmp_path, True)
+    notes = tmp_path / "notes.txt"
+    assert cli.main(["plot", str(saved), "-o", str(notes), "--what", "scale"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"-o '{notes}': matplotlib cannot write a .txt file; end the name with one of " in err
+    assert ".png" in err and "Traceback" not in err
+    assert not notes.exists()
+    assert cli.main(["plot", str(saved), "-o", str(tmp_path / "scale.PDF"), "--what", "scale"]) == cli.EXIT_OK
+    assert (tmp_path / "scale.PDF").stat().st_size > 0
+
+
 @pytest.mark.parametrize("under", [False, True])
 def test_demo_out_that_is_a_file_is_refused_by_name(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], under: bool

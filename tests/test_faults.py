@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import resource
 import signal
 import subprocess
@@ -234,6 +235,34 @@ def test_save_refuses_to_replace_a_file_that_is_not_a_trace(
     good.save(again)
     good.save(again)  # replacing a trace is allowed
     assert len(nantrace.load(again).steps) == 3
+
+
+@pytest.mark.parametrize("entry", ["trace", "watch"])
+def test_streaming_refuses_a_path_that_holds_a_file_not_a_trace(entry: str, tmp_path: Path) -> None:
+    """``trace(path=...)`` (and ``watch``) replaces ``path`` with the trace when it closes: a file of the user's
+    there is refused before anything is attached, and left as it was."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scale = scaler.scale
+    with pytest.raises(
+        nantrace.NantraceError, match=re.escape("trace(path=...) does not replace it")
+    ) as info:
+        getattr(nantrace, entry)(model, scaler=scaler, optimizer=opt, path=notes)
+    assert repr(str(notes)) in str(info.value)
+    assert notes.read_text() == "my notes\n"
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert scaler.scale == scale and not opt._optimizer_step_post_hooks
+    done = tmp_path / "done.nantrace"
+    with nantrace.trace(model, optimizer=opt, path=done):
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+    with nantrace.trace(model, optimizer=opt, path=done):  # replacing an earlier trace is allowed
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+    assert len(nantrace.load(done).steps) == 1
 
 
 TRAIN = """
