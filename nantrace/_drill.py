@@ -137,15 +137,15 @@ class Made:
 
     Used as one of :func:`replay_call`'s modes, next to a :class:`FirstNonfinite` holding it: every describable
     tensor an op returns is noted (a weak reference and its version counter, nothing kept alive), and global
-    module forward (pre-)hooks, registered for the replay only, mark each noted value that a module call returns
-    unchanged (same object, same version) as that call's output: ``2`` for the replayed call's own output, ``1``
-    for the output of a module called inside it whose outputs the trace records (``recorded``). A value still
-    unmarked when the call that ran its op returns is an intermediate (``intermediate`` becomes True and noting
-    stops). When the replayed call returns with no intermediate, ``plain`` is ``"own"`` (every value an op made
-    is the call's output: a ReLU, a dropout, a Linear, an Identity) or ``"children"`` (some are outputs of the
-    modules it called: a Sequential of those). ``plain`` stays None when the replay stopped early or made an
-    intermediate. An in-place op makes a new value (its version changed), so ``h.mul_(c)`` on a child's output
-    is an intermediate unless a module returns it."""
+    module forward (pre-)hooks, registered for the replay only, mark each noted value that is, unchanged (same
+    object, same version), a value the trace records: ``2`` for the replayed call's own output, ``1`` for the
+    output or a positional input of a module called inside it whose calls the trace records (``recorded``). A
+    value still unmarked when the call that ran its op returns is an intermediate (``intermediate`` becomes True
+    and noting stops). When the replayed call returns with no intermediate, ``plain`` is ``"own"`` (every value
+    an op made is the call's output: a ReLU, a dropout, a Linear, an Identity) or ``"children"`` (some are a
+    child call's output or input: a Sequential of those, a residual block whose sum goes into its ReLU).
+    ``plain`` stays None when the replay stopped early or made an intermediate. An in-place op makes a new value
+    (its version changed): ``h.mul_(c); h.tanh_()`` leaves the product an intermediate."""
 
     def __init__(self, recorded: Callable[[torch.nn.Module], bool] = lambda m: True) -> None:
         self.recorded = recorded  # whether a module's calls have their outputs recorded (only those count)
@@ -169,8 +169,18 @@ class Made:
                     self.by_id.setdefault(id(t), []).append(entry)
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        if threading.get_ident() == self.thread:
-            self.starts.append(len(self.order))
+        if threading.get_ident() != self.thread:
+            return
+        if self.starts and not self.intermediate and self.recorded(module):
+            self._mark(args, 1)  # a recorded child's positional inputs are recorded values too
+        self.starts.append(len(self.order))
+
+    def _mark(self, tensors: Any, mark: int) -> None:
+        with torch._C.DisableTorchFunction():
+            for _, t in flatten(tensors, "t"):
+                for entry in self.by_id.get(id(t), ()):
+                    if entry[0]() is t and entry[1] == t._version:
+                        entry[2] = max(entry[2], mark)
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self.starts or threading.get_ident() != self.thread:
@@ -179,13 +189,8 @@ class Made:
         if self.intermediate:
             return
         mark = 1 if self.starts else 2
-        if mark == 1 and not self.recorded(module):
-            mark = 0  # an output nothing records is no module boundary the trace can vouch for
-        with torch._C.DisableTorchFunction():
-            for _, t in flatten(output, "out"):
-                for entry in self.by_id.get(id(t), ()):
-                    if entry[0]() is t and entry[1] == t._version:
-                        entry[2] = max(entry[2], mark)
+        if mark == 2 or self.recorded(module):  # an unrecorded child's output is no recorded value
+            self._mark(output, mark)
         if any(entry[2] == 0 for entry in self.order[start:]):
             self.intermediate = True
             self.order, self.by_id = [], {}
@@ -378,10 +383,10 @@ class Suspects:
     A signal is passed over (:meth:`skips`) for a call of a module whose earlier replay, with the same inputs'
     structure (:func:`call_key`), made no intermediate floating value (:class:`Made`): every value an op of the
     call made was the call's own output (``"own"``: a ReLU, a dropout, a GELU, a Linear, an Identity), or the
-    output of a module it called (``"children"``: a Sequential of such). A transient inf is a value an op made
-    that the call turned finite, so it needs an intermediate: the drill-down names an op whose output holds a
-    kind its inputs did not, and here every op output is a recorded module output. ``"own"`` holds when the
-    call's output is finite (the transient path's premise); ``"children"`` also needs every kind recorded in the
+    output or input of a module it called (``"children"``: a Sequential of such, a residual block). A transient
+    inf is a value an op made that the call turned finite, so it needs an intermediate: the drill-down names an
+    op whose output holds a kind its inputs did not, and here every op output is a recorded value. ``"own"``
+    holds when the call's output is finite (the transient path's premise); ``"children"`` also needs every kind recorded in the
     micro-step to be one of the call's input kinds (no child output held a kind that a replay would call new).
     The rule assumes a module runs the same ops for calls with the same key (input paths, shapes, dtypes,
     requires_grad, scalar arguments, training mode, grad mode); a key whose replay ever made an intermediate is
