@@ -233,8 +233,9 @@ class StepRows:
 class PendingStep:
     """Scalars of the open step that become one row of ``steps`` at flush."""
 
-    losses: list[torch.Tensor] = field(default_factory=list)
-    grad_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # param index -> latest L2 norm
+    # a tensor, or its value already read (nantrace.watch reads them with its flags)
+    losses: list[torch.Tensor | float] = field(default_factory=list)
+    grad_norms: dict[int, torch.Tensor | float] = field(default_factory=dict)  # param index -> latest L2 norm
     applied_norm: torch.Tensor | None = None  # L2 norm of the gradients when optimizer.step() began
     scale: torch.Tensor | float | None = None
     next_scale: torch.Tensor | float | None = None
@@ -316,9 +317,8 @@ class Store:
                 return float(got[key][0][0])
             return math.nan if v is None else float(v)
 
-        losses = [float(a[0]) for a in got.get("loss", [])] + [
-            float(x) for x in pending.losses if not isinstance(x, torch.Tensor)
-        ]
+        read = iter(got.get("loss", []))
+        losses = [float(next(read)[0]) if isinstance(x, torch.Tensor) else float(x) for x in pending.losses]
         scale = scalar("scale")
         n = len(stats_items)
         if n:
@@ -329,7 +329,11 @@ class Store:
                 mat = np.array(stats_items, dtype=np.float64)
             m = np.frombuffer(meta, dtype=np.int64).reshape(n, len(META_COLUMNS))
             self.chunks.append(self._columns(m, mat.reshape(n, N_STATS), 1.0 if math.isnan(scale) else scale))
-        norms = [float(a[0]) for a in got.get("grad_norm", [])]
+        read = iter(got.get("grad_norm", []))
+        norms = [
+            float(next(read)[0]) if isinstance(x, torch.Tensor) else float(x)
+            for x in pending.grad_norms.values()
+        ]
         grad_norm = math.nan
         if norms:
             grad_norm = math.sqrt(sum(v * v for v in norms))

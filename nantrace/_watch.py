@@ -9,7 +9,10 @@ tensors: one ``torch.aminmax`` per input and output tensor, per loss and per out
 into the minimum and maximum, ±inf is the extreme, and a large finite value cannot overflow it), one fused
 ``torch._foreach_norm`` over the gradients before ``optimizer.step()`` (beside the GradScaler's found-inf) and
 one over the parameters after it. The flags are read once before ``optimizer.step()`` (where
-the GradScaler reads its found-inf) and the parameter flag once at the step boundary, never inside a hook.
+the GradScaler reads its found-inf) and the parameter flag once at the step boundary, never inside a hook; each
+read carries the tensors the step's ``steps`` row holds by then (loss, gradient norm, lr), whose values replace
+them on a healthy step, so the flush copies nothing more for them. What is built from the parameter list
+(paths, owners, the tensors checked) is built once per list, not per step.
 
 When a flag is non-finite, every micro-step of the step is replayed with the recording on, before
 ``optimizer.step()`` changes the parameters: the root forward on the same inputs with the same RNG state,
@@ -28,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -108,9 +112,12 @@ def _extremes(items: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.T
     return paths, torch.stack([e.to(device=device, dtype=wide) for e in ends])
 
 
-def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _norms(tensors: list[torch.Tensor], plain: bool = False) -> torch.Tensor:
     """Per-tensor L2 norms, fused (``torch._foreach_norm``), accumulated in float32 (float64 tensors in
-    float64, which cannot be narrowed), on the first tensor's device."""
+    float64, which cannot be narrowed), on the first tensor's device. ``plain``: the caller knows that no
+    tensor is float64 and all are on one device (one fused call and one stack, no per-tensor work)."""
+    if plain:
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
     wide = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]
     if not wide:
         norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
@@ -127,8 +134,102 @@ def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([got[i].to(device=device, dtype=torch.float64) for i in range(len(tensors))])
 
 
-def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+@dataclass
+class _Params:
+    """What the sentinel needs of ``Recording.params``, built once per parameter list (not per step): the
+    parameters, the floating-point ones checked after ``optimizer.step()``, and whether one fused norm over
+    them (or their gradients, which share their device and dtype) needs no per-tensor conversion."""
+
+    last: Any  # the last entry of the list it was built from (a re-attach builds new entries)
+    count: int
+    tensors: list[nn.Parameter]
+    floating: tuple[int, ...]
+    checked: list[torch.Tensor]
+    plain: bool
+
+    def grads(self) -> tuple[list[int], list[torch.Tensor]]:
+        """The indices and the dense floating-point ``.grad`` of the parameters that have one now."""
+        index: list[int] = []
+        grads: list[torch.Tensor] = []
+        for i, p in enumerate(self.tensors):
+            g = p.grad
+            if g is not None and g.is_floating_point() and not g.is_sparse:
+                index.append(i)
+                grads.append(g)
+        return index, grads
+
+    @staticmethod
+    def current(cached: _Params | None, params: list[tuple[nn.Parameter, int, int, str]]) -> _Params:
+        """``cached`` if it was built from ``params`` as they are now, else a new one."""
+        if cached is not None and cached.count == len(params) and (not params or cached.last is params[-1]):
+            return cached
+        return _Params.of(params)
+
+    @staticmethod
+    def of(params: list[tuple[nn.Parameter, int, int, str]]) -> _Params:
+        tensors = [p for p, _, _, _ in params]
+        floating = tuple(i for i, p in enumerate(tensors) if p.is_floating_point())
+        plain = len({p.device for p in tensors}) <= 1 and all(p.dtype != torch.float64 for p in tensors)
+        return _Params(
+            params[-1] if params else None,
+            len(params),
+            tensors,
+            floating,
+            [tensors[i] for i in floating],
+            plain,
+        )
+
+
+_HELD = ("scale", "next_scale", "growth_tracker", "found_inf", "lr", "applied_norm")
+
+
+def _held(pending: _store.PendingStep) -> list[tuple[str, Any, torch.Tensor]]:
+    """The one-element tensors of the open step's ``steps`` row that the flush would read, as (field, key,
+    tensor): ``key`` is the list index (losses), the dict key (grad_norms) or None (a scalar field)."""
+    out: list[tuple[str, Any, torch.Tensor]] = [
+        ("losses", i, t)
+        for i, t in enumerate(pending.losses)
+        if isinstance(t, torch.Tensor) and t.numel() == 1
+    ]
+    out += [
+        ("grad_norms", k, t)
+        for k, t in pending.grad_norms.items()
+        if isinstance(t, torch.Tensor) and t.numel() == 1
+    ]
+    for name in _HELD:
+        v = getattr(pending, name)
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            out.append((name, None, v))
+    return out
+
+
+def _read(pending: _store.PendingStep, flags: list[_Flag]) -> tuple[_Flag, int, float] | None:
+    """The one host copy of ``flags`` together with the tensors the open step's ``steps`` row holds; the first
+    non-finite flag entry (see :func:`_first_bad`). On a healthy read the row's values are put in place of its
+    tensors, so the flush at the step boundary copies nothing more for them; a flagged step keeps them (its
+    replay adds to the row, and the flush reads it all as on a full step)."""
+    held = _held(pending)
+    n = sum(len(f.paths) for f in flags)
+    host = _store.to_host([*(f.values for f in flags), *(t for _, _, t in held)])
+    bad = _first_bad(flags, host[:n])
+    if bad is None:
+        _release(pending, held, host[n:])
+    return bad
+
+
+def _release(pending: _store.PendingStep, held: list[tuple[str, Any, torch.Tensor]], host: Any) -> None:
+    """Put the host values of ``held`` (read with the sentinel's flags) in place of their tensors, so the
+    step's flush has nothing left to copy for them (the same float64 values it would have read)."""
+    for (name, key, _), v in zip(held, host, strict=True):
+        if name == "losses":
+            pending.losses[key] = float(v)
+        elif name == "grad_norms":
+            pending.grad_norms[key] = float(v)
+        else:
+            setattr(pending, name, float(v))
+
+
+def _autocast_state(devices: tuple[str, ...]) -> list[tuple[str, bool, torch.dtype]]:
     return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
 
 
@@ -187,6 +288,8 @@ class Watch:
         self.handles: list[RemovableHandle] = []
         self.tensor_handles: list[RemovableHandle] = []
         self.names: dict[Any, tuple[list[str], list[tuple[str, str]]]] = {}  # see _param_names
+        self.param_set: _Params | None = None  # see _params
+        self.autocast_devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
         self.sentinel: dict[str, dict[str, Any]] = {}  # step -> what the sentinel saw (steps it flagged)
         recording.options["watch"] = {"every": every, "sentinel": self.sentinel}
         recording.add_step_observer(self._on_step_closed)
@@ -356,7 +459,9 @@ class Watch:
         if not self.checked:
             self._check(None, scaled=r.scaler is not None)
         if self.param_flag is not None:
-            bad = _first_bad([self.param_flag])
+            bad = _read(
+                rec.pending, [self.param_flag]
+            )  # with the row's loss, lr and norms: the flush reads none
             if bad is not None:
                 self._note(bad)
                 rec.active = True
@@ -396,7 +501,7 @@ class Watch:
                 versions=tuple(t._version for _, t in items if not t.is_inference()),
                 rng=torch.get_rng_state(),
                 accel_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
-                autocast=_autocast_state(),
+                autocast=_autocast_state(self.autocast_devices),
                 grad_enabled=torch.is_grad_enabled(),
             )
         )
@@ -461,15 +566,14 @@ class Watch:
         if not self._watching() or self.opt_mode != "watch":
             return
         r = self.r
-        with torch.no_grad():
-            index = tuple(i for i, (p, _, _, _) in enumerate(r.params) if p.is_floating_point())
-            if index:
-                tensors: list[torch.Tensor] = [r.params[i][0] for i in index]
-                paths, owners = _param_names(self.r, self.names, index, "")
-                values = _norms([p.detach() for p in tensors])
-                self.param_flag = _Flag(
-                    "optimizer", max(len(self.micro) - 1, 0), paths, values, owners, tensors
-                )
+        ps = self.param_set = _Params.current(self.param_set, r.params)
+        if ps.floating:
+            paths, owners = _param_names(self.r, self.names, ps.floating, "")
+            with torch.no_grad():
+                values = _norms(ps.checked, ps.plain)
+            self.param_flag = _Flag(
+                "optimizer", max(len(self.micro) - 1, 0), paths, values, owners, ps.checked
+            )
         if opt.param_groups:
             r.rec.pending.lr = current_lr(opt)
         if r.scaler is None and not r.manual_steps:
@@ -480,22 +584,23 @@ class Watch:
         """The gradient check, then the one read of this step's flags; a replay if one is non-finite."""
         self.checked = True
         r = self.r
-        grads = [(i, p.grad) for i, (p, _, _, _) in enumerate(r.params) if p.grad is not None]
-        grads = [(i, g) for i, g in grads if g.is_floating_point() and not g.is_sparse]
+        ps = self.param_set = _Params.current(self.param_set, r.params)
+        index, grads = ps.grads()
         if grads:
-            norms = _norms([g.detach() for _, g in grads])
-            paths, owners = _param_names(self.r, self.names, tuple(i for i, _ in grads), ".grad")
-            total = torch.linalg.vector_norm(norms)
-            scale = r.scaler._scale if r.scaler is not None and r.scaler.is_enabled() else None
-            if not scaled and scale is not None:
-                total = total * scale.to(total.device)  # the store divides by the scale it used
+            with torch.no_grad():
+                norms = _norms(grads, ps.plain)  # a gradient has its parameter's device and dtype
+                total = torch.linalg.vector_norm(norms)
+                scale = r.scaler._scale if r.scaler is not None and r.scaler.is_enabled() else None
+                if not scaled and scale is not None:
+                    total = total * scale.to(total.device)  # the store divides by the scale it used
+            paths, owners = _param_names(self.r, self.names, tuple(index), ".grad")
             r.rec.pending.grad_norms = {0: total}
             micro = max(len(self.micro) - 1, 0)
-            self.flags.append(_Flag("backward", micro, paths, norms, owners, [g for _, g in grads]))
+            self.flags.append(_Flag("backward", micro, paths, norms, owners, grads))
         if found_inf is not None:
             flagged = torch.where(found_inf.reshape(1) > 0, math.inf, 0.0)
             self.flags.append(_Flag("backward", max(len(self.micro) - 1, 0), ["found_inf"], flagged))
-        bad = _first_bad(self.flags)
+        bad = _read(r.rec.pending, self.flags)
         if bad is not None:
             self._note(bad)
             self._replay()
@@ -614,11 +719,11 @@ def _replay_backward(pairs: list[tuple[Any, _Micro]]) -> None:
         torch.autograd.backward(tensors, grads)
 
 
-def _first_bad(flags: list[_Flag]) -> tuple[_Flag, int, float] | None:
-    """The first flag entry that is NaN or +inf (a ``-inf`` input is an attention mask), read in one copy."""
-    if not flags:
-        return None
-    host = _store.to_host([f.values for f in flags])  # the one read of the step's flags
+def _first_bad(flags: list[_Flag], host: np.ndarray) -> tuple[_Flag, int, float] | None:
+    """The first flag entry that is NaN or +inf (a ``-inf`` input is an attention mask), from ``host``: the
+    flags' values as read, in order."""
+    if not flags or bool(np.isfinite(host).all()):
+        return None  # the healthy step: one vectorized test, no Python work per entry
     pos = 0
     for f in flags:
         for i in range(len(f.paths)):

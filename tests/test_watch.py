@@ -18,6 +18,7 @@ from test_sync import watch_reads
 from torch import nn
 
 import nantrace
+from nantrace import _store
 
 FIELDS = ("step", "micro_step", "phase", "module", "module_type", "call", "tensor", "kind")
 
@@ -430,6 +431,53 @@ def test_watch_hooks_read_nothing_outside_the_host_copies() -> None:
     # after a step the optimizer ran; step 0 and 3 in full (flush only)
     assert tr.steps["recorded"].tolist()[0] == "full" and tr.steps["recorded"].tolist()[3] == "full"
     assert copies[0] == 4 + 2 + sum(not s for s in tr.steps["skipped"].tolist()[1:3])
+
+
+def test_a_watched_step_copies_twice_and_an_optimizer_fault_is_named_as_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a GradScaler a watched step copies to the host twice, both inside ``optimizer.step()``: its flags
+    before the update (with the step's loss and gradient norm) and the parameter flag after it (with the rest
+    of its row), so the flush copies nothing more, and the steps table holds the same numbers. The step whose
+    ``lr · grad`` overflows float32 is still named from the post-step check: that parameter, its owner, that
+    step."""
+    copies = [0]  # host copies that copied anything
+    real = _store.to_host
+
+    def counting(tensors: Any) -> Any:
+        copies[0] += bool(len(tensors))
+        return real(tensors)
+
+    monkeypatch.setattr(_store, "to_host", counting)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    per_step, losses, norms = [], [], []
+    with nantrace.watch(model, optimizer=opt, every=None) as tr:
+        for step in range(3):
+            opt.zero_grad()
+            loss = model(torch.ones(2, 4)).sum().mul(100.0)
+            loss.backward()
+            tr.step(loss)
+            losses.append(float(loss.detach().float()))
+            grads = [p.grad for p in model.parameters()]
+            norms.append(float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2)))))
+            if step == 2:
+                opt.param_groups[0]["lr"] = 3e38  # finite gradients, but lr · grad overflows float32
+            before = copies[0]
+            opt.step()  # the check before the update, the parameter check after it, the flush
+            per_step.append(copies[0] - before)
+    # step 2: a third copy, the element test of the weight whose float32 norm is inf (an overflowed norm of
+    # finite values would not be a fault)
+    assert per_step == [2, 2, 3] and copies[0] == 7
+    assert _fields(tr.first_overflow()) == (2, 0, "optimizer", "0", "Linear", 0, "weight", "inf")
+    assert "after optimizer.step() of step 2" in str(tr.first_overflow())
+    steps = tr.steps
+    assert steps["recorded"].tolist() == ["watch", "watch", "post_step"]
+    assert steps["loss"].tolist() == losses
+    assert steps["grad_norm"].tolist() == norms
+    assert steps["lr"].tolist() == [1e-2, 1e-2, 3e38]
+    assert steps["n_records"].tolist() == [0, 0, 4] and steps["n_nonfinite"].tolist() == [0, 0, 4]
 
 
 @pytest.mark.parametrize("every", [0, -1, 1.5, True])
