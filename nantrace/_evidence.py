@@ -401,6 +401,29 @@ def _operands(text: Any) -> tuple[tuple[Operand, ...], tuple[tuple[float, str], 
     return tuple(ops), vanished, True
 
 
+#: Reductions whose second positional argument is the dim (``x.sum(1)``, ``torch.cumsum(x, 0)``); for the
+#: norms it is the order ``p``, so only a ``dim=`` keyword counts there.
+_DIM_SECOND = {"sum", "mean", "cumsum", "cumprod", "prod", "logsumexp", "nansum", "nanmean", "var", "std"}
+
+
+def _values_per_result(base: str, ops: tuple[Operand, ...]) -> int:
+    """How many of the input's values one element of the reduction's result combines: the product of the
+    reduced dims' lengths (a cumsum's longest running sum: its dim's length), all of them without a dim; 0 when
+    the input tensor was not recorded."""
+    tensors = [o for o in ops if not o.is_scalar]
+    if not tensors:
+        return 0
+    x = max(tensors, key=lambda o: o.numel)
+    heads = ("dim", "arg1") if base in _DIM_SECOND else ("dim",)
+    dims = [
+        int(o.value) for o in ops if o.is_scalar and o.value is not None and o.name.split("[")[0] in heads
+    ]
+    rank = len(x.shape)
+    if not dims or not rank or any(not -rank <= d < rank for d in dims):
+        return x.numel
+    return math.prod(x.shape[d % rank] for d in set(d % rank for d in dims))
+
+
 def _singular(base: str, kind: str, ops: tuple[Operand, ...]) -> tuple[str, str] | None:
     """(because, what) when an operand sits at the op's singular point (module docstring, rule 4)."""
     tensors = [o for o in ops if not o.is_scalar] or list(ops)
@@ -488,7 +511,7 @@ def _classify_op(
     if sing is not None:
         return "singular", sing[0], sing[1]
     if base in _REDUCTIONS and kind != "nan":
-        many = max((o.numel for o in ops if not o.is_scalar), default=0)
+        many = _values_per_result(base, ops)
         shown = (
             f" of {many} finite values (absmax {num(max(o.absmax for o in ops if not o.is_scalar))})"
             if many
@@ -603,12 +626,25 @@ def mean_over_nothing(grad_rows: pd.DataFrame) -> int | None:
     return numel if numel > 0 and bad == 0 and int(grad_rows["n_zero"].sum()) == numel else None
 
 
-def _op_dtype(op: str, ops: tuple[Operand, ...], event_dtype: str) -> str:
+def _result_dtype(text: Any) -> str | None:
+    """The dtype of the producing op's result, from the ``operands`` JSON (None when not recorded)."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        result = json.loads(text).get("result") or {}
+    except (ValueError, AttributeError):
+        return None
+    dtype = result.get("dtype") if isinstance(result, dict) else None
+    return str(dtype) if dtype else None
+
+
+def _op_dtype(op: str, ops: tuple[Operand, ...], event_dtype: str, result_dtype: str | None = None) -> str:
     """The dtype the op computed in: the widest floating dtype of its tensor operands (type promotion among
     tensors), which is not the call's output dtype when the call casts afterwards (``softmax(s.float())``); a
-    cast's target is the event's dtype."""
+    cast's target is its result's dtype (the event's when the result was not recorded: a call may cast back,
+    ``x.half().float()``)."""
     if op == CAST_OP or _base(op) in _CASTS:
-        return event_dtype
+        return result_dtype or event_dtype
     floats = [o.dtype for o in ops if o.dtype is not None and not math.isnan(dtype_max(o.dtype))]
     return max(floats, key=dtype_max) if floats else event_dtype
 
@@ -624,7 +660,7 @@ def op_evidence(view: RunView, ov: Overflow) -> OpEvidence | None:
     if row is not None:
         kind = str(row["kind"])
         ops, vanished, recorded = _operands(row.get("operands"))
-        dtype = _op_dtype(str(row["op"]), ops, dtype)
+        dtype = _op_dtype(str(row["op"]), ops, dtype, _result_dtype(row.get("operands")))
         if beyond and str(row["op"]) != CAST_OP:
             cls, because, what = _classify_call(view, ov, kind, beyond)
         else:

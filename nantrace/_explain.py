@@ -155,7 +155,8 @@ def _forward_head(ev: Event, op_dtype: str | None = None) -> tuple[str, bool]:
     f, row = ev.fields, ev.row
     own_code = str(row["module"]) != f["module"]
     if own_code:
-        by = f"`{ev.op}` in " if ev.op is not None else ""
+        line = f" at {ev.source}" if ev.op is not None and ev.source else ""
+        by = f"`{ev.op}`{line} in " if ev.op is not None else ""
         at = (
             f"{by}its own forward code, between its submodules (first seen at `{row['tensor']}` of "
             f"`{row['module']}`; every submodule output before it was finite)"
@@ -439,7 +440,8 @@ def hunt_hint(view: RunView, ev: Event) -> str:
       not a name of a ``torch.nn`` module class.
 
     So only a built-in ``torch.nn`` leaf layer (``Linear``, ``Conv2d``, ``Embedding``...) whose output held the
-    kind its op made is reported without the hint: the layer is the answer.
+    kind its op made is reported without the hint: the layer is the answer. Nor does a forward event whose op
+    and source line the replay named (not *internal*) get it: hunt would name the same op and line.
     """
     f = ev.fields
     phase, module = f["phase"], str(f["module"])
@@ -450,6 +452,8 @@ def hunt_hint(view: RunView, ev: Event) -> str:
     n_sub = sum(1 for n in names if n != module and n.startswith(prefix))
     internal = phase == "forward" and ev.op is not None and int(ev.row[f"n_{ev.raw_kind}"]) == 0
     internal = internal and ev.op != CAST_OP  # autocast's cast of a weight: the layer is the answer
+    if phase == "forward" and ev.op is not None and ev.source and not internal:
+        return ""  # the replay already named the op and its source line: hunt would name the same
     mtype = str(f["module_type"])
     known = view.meta.builtin_modules  # recorded while the model lived, saved with the trace
     is_builtin = (module in known) if known is not None else None

@@ -483,7 +483,8 @@ def _demo(args: argparse.Namespace) -> int:
     print(
         f"nantrace demo: a {cfg.n_layer}-layer character GPT (d_model {cfg.d_model}, no normalisation inside "
         "its blocks) on the "
-        f"stdlib's source, {cfg.dtype} autocast + GradScaler, Adam warming up to lr {cfg.lr:g}, {cfg.steps} steps, "
+        f"stdlib's source, {cfg.dtype} autocast{' + GradScaler' if cfg.dtype == 'float16' else ' (no GradScaler)'}, "
+        f"Adam warming up to lr {cfg.lr:g}, {cfg.steps} steps, "
         f"{device}"
     )
     model, optimizer, scaler, batch_iter = build(cfg)

@@ -5,6 +5,7 @@ checked on exactly the facts it reads."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 from conftest import frame_view, records_frame, steps_frame
@@ -13,6 +14,13 @@ from nantrace import _diagnose
 from nantrace._explain import first_overflow, overflows
 from nantrace._locate import find
 from nantrace._schema import KINDS
+
+
+def _line_of(fn: object, needle: str) -> str:
+    """``file:line`` of the line of ``fn``'s source that holds ``needle`` (what ``tr.ops.source`` records)."""
+    lines, first = inspect.getsourcelines(fn)  # type: ignore[arg-type]
+    at = next(i for i, text in enumerate(lines) if needle in text)
+    return f"{inspect.getsourcefile(fn)}:{first + at}"  # type: ignore[arg-type]
 
 
 def _forward_inf_rows() -> list[dict]:
@@ -241,6 +249,7 @@ def test_a_kind_made_between_children_is_drilled_to_the_enclosing_calls_op() -> 
         "step 0 forward: the root model (`mul`) made NaN by an invalid operation: 0·inf (float32)"
     )
     assert " ".join(str(ov).splitlines()[1:]).startswith(
-        "At step 0, the root model (Between, call 0) produced NaN in `mul` in its own forward code, between its "
+        "At step 0, the root model (Between, call 0) produced NaN in `mul` at "
+        f"{_line_of(Between.forward, '* 0) * float')} in its own forward code, between its "
         "submodules (first seen at `input[0]` of `b`"
     )

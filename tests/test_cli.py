@@ -54,6 +54,7 @@ def test_demo_runs_a_short_training_and_writes_its_files(
     assert cli.main(["demo", "--steps", "2", "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
     text = capsys.readouterr().out
     assert "nantrace demo: a 2-layer character GPT" in text
+    assert "float16 autocast + GradScaler, Adam warming up to lr 0.1, 2 steps, cpu" in text.splitlines()[0]
     assert str(out / "trace.nantrace") in text
     back = nantrace.load(out / "trace.nantrace")
     assert back.steps["step"].tolist() == [0, 1]
@@ -303,7 +304,8 @@ def test_the_bfloat16_demo_runs_without_loss_scaling(
         "cpu",
     ]
     assert cli.main(argv) == 0
-    capsys.readouterr()
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "bfloat16 autocast (no GradScaler), Adam warming up" in header and "GradScaler," not in header
     steps = nantrace.load(out / "trace.nantrace").steps
     assert steps["scale"].isna().all() and steps["skipped"].isna().all()  # no loss scale, no skipped steps
 

@@ -154,6 +154,16 @@ CLASSES: list[tuple[str, Callable[..., torch.Tensor], tuple[torch.Tensor, ...], 
         "step 0 forward: `body` (`half`) overflowed in a cast to float16 (+inf)",
     ),
     (
+        "float32 1e5 cast to float16 and back",  # the call returns float32: the cast's own target is named
+        lambda x: x.half().float(),
+        (torch.full((2, 4), 1e5),),
+        "half",
+        "posinf",
+        "cast",
+        "forward_overflow",
+        "step 0 forward: `body` (`half`) overflowed in a cast to float16 (+inf)",
+    ),
+    (
         "finfo.min mask added to a negative score",
         _finfo_min_mask,
         (SCORES, KEEP),
@@ -248,6 +258,21 @@ def test_a_reduction_overflow_is_never_told_to_scale_q_k() -> None:
         "`body` (Body) overflowed float16 in its forward at step 0: a cumsum of 2000 finite values (absmax 40) "
         "exceeded 65504."
     )
+
+
+@pytest.mark.parametrize(
+    ("fn", "count"),
+    [
+        (lambda x: torch.cumsum(x * 40, dim=1), 2000),  # 4 running sums of 2000, not 8000 values
+        (lambda x: (x * 40).cumsum(1), 2000),  # the dim passed positionally
+        (lambda x: (x * 40).sum(dim=(0, 1)), 8000),
+        (lambda x: (x * 40).sum(), 8000),
+    ],
+    ids=["cumsum dim=1", "cumsum positional dim", "sum over both dims", "sum of all"],
+)
+def test_a_reduction_counts_the_values_each_result_combines(fn: Any, count: int) -> None:
+    tr = _run(fn, (torch.ones(4, 2000, dtype=H),))
+    assert f"of {count} finite values (absmax 40) exceeded 65504" in tr.diagnose().summary
 
 
 def test_inf_minus_inf_from_an_input_holding_inf_is_invalid() -> None:

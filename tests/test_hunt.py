@@ -349,6 +349,15 @@ def test_locator_suggests_hunt_for_hand_written_containers_and_internal_overflow
     with nantrace.trace(w) as tr:
         w(torch.randn(2, 3), torch.tensor([[True, False, True], [False, False, False]]))
     nan = str(tr.first_overflow(kind="nan"))
+    line = inspect.getsourcelines(_MaskedSoftmax.forward)[1] + 2  # e = torch.exp(s - s.amax(...))
+    # the replay named the op and its line: no hint to hunt for what is already said
+    assert (
+        f"produced NaN in `sub` at {inspect.getsourcefile(_MaskedSoftmax)}:{line} inside its forward" in nan
+    )
+    assert "nantrace.hunt" not in nan
+    with nantrace.trace(w, drill=False) as tr:  # without the replay, hunt is the way to the op
+        w(torch.randn(2, 3), torch.tensor([[True, False, True], [False, False, False]]))
+    nan = str(tr.first_overflow(kind="nan"))
     assert (
         'nantrace.hunt(step_fn) (kind="nan" for the op that made the NaN itself)' in nan
         and "`sm` is hand-written code (_MaskedSoftmax)" in nan
@@ -529,7 +538,7 @@ def test_hunt_hint_judges_built_in_by_where_forward_is_defined(tmp_path: Path) -
         mine.bias.zero_()
     for layer, hinted in ((mine, False), (Linear().half(), True)):
         m = nn.Sequential(layer)
-        with nantrace.trace(m) as tr:
+        with nantrace.trace(m, drill=False) as tr:  # no replay names the op: the hint is judged by the class
             m(torch.full((1, 2), 100.0, dtype=torch.float16))
         ov = tr.first_overflow()
         assert ov is not None and (ov.module, ov.phase) == ("0", "forward")

@@ -467,7 +467,8 @@ def test_hunt_hint_of_a_captured_call_says_to_hunt_it_not_to_trace_again(tmp_pat
 
     x = torch.full((2, 8), 40000.0, dtype=torch.float16)
     m = c02()
-    with nantrace.trace(m, capture="block") as tr:
+    # without the forward replay (which names the op and its line, and then gives no hunt hint at all)
+    with nantrace.trace(m, capture="block", drill=False) as tr:
         m(x)
     ov = tr.first_overflow()
     assert ov is not None and (ov.phase, ov.module, ov.kind) == ("forward", "block", "inf")
@@ -477,6 +478,11 @@ def test_hunt_hint_of_a_captured_call_says_to_hunt_it_not_to_trace_again(tmp_pat
     assert culprit is not None and (culprit.op, culprit.module) == ("aten::add.Tensor", "block")
 
     m = c02()
-    with nantrace.trace(m) as plain:
+    with nantrace.trace(m, drill=False) as plain:
         m(x)
     assert '; or trace again with capture="block" and hunt the saved call: ' in str(plain.first_overflow())
+    m = c02()
+    with nantrace.trace(m) as named:
+        m(x)
+    text = str(named.first_overflow())
+    assert "produced +inf in `add` at " in text and "nantrace.hunt" not in text
