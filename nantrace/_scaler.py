@@ -66,6 +66,8 @@ def param_hook(
             g = g.to_local()  # type: ignore[attr-defined]
         rec.add("backward", mcode, tcode, 0, path, g, is_grad=True, parent=-1, reduced=sharded)
         rec.pending.grad_norms[index] = _grad_norm(g)
+        if not sharded and not g.is_inference():  # (a shard is a new tensor each time: never reused)
+            rec.pending.grad_versions[index] = (weakref.ref(g), g._version)
 
     return eager(hook)
 
@@ -78,14 +80,23 @@ def applied_norm(r: Recording) -> None:
     if not rec.active or "backward" not in rec.phases:
         return
     grads = []
+    same = True  # every gradient is the one whose norm the post-accumulate hook took, unchanged since
+    seen = rec.pending.grad_versions
     for i, (p, _, _, _) in enumerate(r.params):
         g = p.grad
         if g is None or not g.is_floating_point() or g.is_sparse:
             continue
+        entry = seen.get(i)
+        same = same and entry is not None and entry[0]() is g and entry[1] == g._version
         if i in r.sharded_params:
             g = g.to_local()  # type: ignore[attr-defined]
         grads.append(g.detach())
     if not grads:
+        return
+    if same and rec.pending.scale is None and len(rec.pending.grad_norms) == len(grads):
+        # nothing (no clipping, no unscaling, no all-reduce) changed them after their norms were taken: the norm
+        # optimizer.step() applies is grad_norm, with no second pass over every gradient
+        rec.pending.applied_same = True
         return
     devices = {g.device for g in grads}
     if len(devices) > 1:

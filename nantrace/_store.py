@@ -237,6 +237,10 @@ class PendingStep:
     losses: list[torch.Tensor | float] = field(default_factory=list)
     grad_norms: dict[int, torch.Tensor | float] = field(default_factory=dict)  # param index -> latest L2 norm
     applied_norm: torch.Tensor | None = None  # L2 norm of the gradients when optimizer.step() began
+    # param index -> (weak reference to the .grad whose norm is in grad_norms, its version then); when every
+    # gradient optimizer.step() applies is still that one, unchanged, applied_same: the applied norm is grad_norm
+    grad_versions: dict[int, tuple[Any, int]] = field(default_factory=dict)
+    applied_same: bool = False
     scale: torch.Tensor | float | None = None
     next_scale: torch.Tensor | float | None = None
     growth_tracker: torch.Tensor | float | None = None
@@ -358,7 +362,7 @@ class Store:
                 "growth_tracker": None if math.isnan(growth) else int(growth),
                 "lr": scalar("lr"),
                 "grad_norm": grad_norm,
-                "applied_grad_norm": scalar("applied_norm"),
+                "applied_grad_norm": grad_norm if pending.applied_same else scalar("applied_norm"),
                 "n_nonfinite": n_nonfinite,
                 "micro_steps": pending.micro_steps,
                 "n_records": n,

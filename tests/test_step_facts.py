@@ -110,6 +110,38 @@ def test_grad_norm_is_before_clipping_and_applied_grad_norm_after() -> None:
     assert st["applied_grad_norm"].tolist() == [5.0, pytest.approx(5.0 / (5.0 + 1e-6), rel=1e-6)]
 
 
+def test_unchanged_gradients_reuse_grad_norm_and_changed_ones_are_read_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a GradScaler, clipping or anything else writing to ``.grad`` after backward, the gradients
+    optimizer.step() applies are the ones whose norms the post-accumulate hooks took: ``applied_grad_norm`` is
+    ``grad_norm`` with no second pass over every gradient. Clipped in place (their version moved), they are read
+    again when optimizer.step() starts."""
+    passes: list[int] = []
+    orig = torch._foreach_norm
+
+    def counting(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        passes.append(len(tensors))
+        return orig(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_norm", counting)
+    model = _one_linear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nantrace.trace(model, optimizer=opt) as tr:
+        for clip in (False, True, False):
+            opt.zero_grad()
+            loss = model(torch.tensor([[3.0, 4.0]])).sum()
+            tr.step(loss=loss)
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)  # [3, 4] -> [1, 1], in place
+            opt.step()
+    st = tr.steps
+    assert st["grad_norm"].tolist() == [5.0, 5.0, 5.0]
+    assert st["applied_grad_norm"].tolist() == [5.0, pytest.approx(2**0.5, rel=1e-7), 5.0]
+    assert passes == [1]  # only the clipped step's gradients were read a second time
+
+
 def test_applied_grad_norm_without_scaler_and_for_a_skipped_step() -> None:
     model = _one_linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
