@@ -393,14 +393,23 @@ def healthy(run: Facts) -> Diagnosis:
             f"max {num(float(ur.max()))}"
         )
         head += f"; median update-to-weight ratio {num(float(np.median(ur)))}"
-    return Diagnosis(
-        "healthy",
-        None,
-        evidence,
-        [],
-        "Healthy: every recorded value was finite and nothing points to a fault.",
-        headline=head[:HEADLINE_MAX],
+    summary = "Healthy: every recorded value was finite and nothing points to a fault."
+    st = run.steps
+    watched = (
+        int((st["recorded"].astype(str) == "watch").sum()) if "recorded" in st.columns and len(st) else 0
     )
+    if watched:
+        # nantrace.watch: those steps' sentinel saw the model's inputs, outputs, loss, gradients and parameters only
+        evidence.append(
+            f"{watched} of {len(st)} steps were only watched (nantrace.watch's sentinel: model inputs, outputs, "
+            "loss, gradients, parameters); a value that went non-finite and back to finite inside the model on "
+            "those steps is not seen"
+        )
+        summary = (
+            f"Healthy as far as recorded: every recorded value was finite; {watched} of {len(st)} steps were only "
+            "watched, so a transient inf inside the model on those steps would not show."
+        )
+    return Diagnosis("healthy", None, evidence, [], summary, headline=head[:HEADLINE_MAX])
 
 
 def received(run: Facts, ev: Overflow, producer: Overflow | None, world_size: int | None) -> Diagnosis:

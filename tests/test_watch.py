@@ -721,3 +721,29 @@ def test_a_backward_fault_in_a_custom_autograd_function_is_replayed_and_named_as
     assert _fields(traced.first_overflow()) == _fields(watched.first_overflow()) == expected
     assert watched.steps["recorded"].tolist() == ["replay", "replay"]
     _same_rows(watched.records.query("step == 0"), traced.records.query("step == 0"))
+
+
+def test_healthy_under_watch_says_how_many_steps_were_only_watched() -> None:
+    """A healthy verdict covers what was recorded: on a watched step the sentinel sees the model's boundaries
+    only, so the diagnosis says how many steps that was instead of "nothing points to a fault"."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with nantrace.watch(m, optimizer=opt, every=100) as tr:
+        for _ in range(5):
+            opt.zero_grad()
+            loss = m(torch.randn(8, 4)).pow(2).mean()
+            tr.step(loss=loss)
+            loss.backward()
+            opt.step()
+    assert tr.steps["recorded"].tolist() == ["full", "watch", "watch", "watch", "watch"]
+    d = tr.diagnose()
+    assert d.cause == "healthy"
+    assert d.summary == (
+        "Healthy as far as recorded: every recorded value was finite; 4 of 5 steps were only watched, so a "
+        "transient inf inside the model on those steps would not show."
+    )
+    assert d.evidence[-1] == (
+        "4 of 5 steps were only watched (nantrace.watch's sentinel: model inputs, outputs, loss, gradients, "
+        "parameters); a value that went non-finite and back to finite inside the model on those steps is not seen"
+    )
