@@ -688,9 +688,12 @@ def _lr_advice(run: Facts, div: DivergenceFacts) -> str:
 def divergence_diagnosis(run: Facts, ev: Overflow | None, div: DivergenceFacts) -> Diagnosis:
     evidence = list(div.evidence)
     if ev is not None:
+        # earlier events were backoffs the GradScaler absorbed: this one is what the divergence led to
+        first = not run.events or run.events[0].step >= ev.step
+        what = "first non-finite value" if first else "the overflow the divergence led to"
         evidence.insert(
             0,
-            f"first non-finite value at step {ev.step}: {ev.phase} of {module_label(ev.module)} ({ev.module_type}), "
+            f"{what} at step {ev.step}: {ev.phase} of {module_label(ev.module)} ({ev.module_type}), "
             f"{ev.kind} in `{ev.tensor}` ({ev.dtype})",
         )
     skips = skips_text(run)

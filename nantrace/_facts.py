@@ -427,16 +427,29 @@ def short_divergence(run: Facts, before: int) -> DivergenceFacts | None:
     ratios = ratio_per_step(run.records)
     ratios = ratios[(ratios.index >= steps[0]) & (ratios.index < before)]
     ratio = float(ratios.iloc[-1]) if len(ratios) else math.nan
-    jump = lj >= DIVERGENCE_JUMP_LOSS and gj >= DIVERGENCE_JUMP_GRAD_NORM
+    # the gradients of the step after the jump overflowed (its norm is not finite) and the loss never came back
+    # below the jump on any later recorded step: the update made the model blow up, not one odd batch
+    stuck = len(loss) >= 2 and _stuck_after(run, int(loss.index[-1]), float(loss.iloc[-2]), before)
+    jump = lj >= DIVERGENCE_JUMP_LOSS and (gj >= DIVERGENCE_JUMP_GRAD_NORM or stuck)
     fast = ratio >= DIVERGENCE_JUMP_UPDATE_RATIO and (lj >= DIVERGENCE_GROWTH or gj >= DIVERGENCE_GROWTH)
     if not (jump or fast):
         return None
     ev: list[str] = []
     if len(loss) >= 2:
+        a, b = int(loss.index[-2]), int(loss.index[-1])
+        applied = applied_between(run, loss)
+        span = "in one step" if b == a + 1 else f"across {applied} applied update(s), steps {a}–{b}"
         ev.append(
-            f"loss {num(loss.iloc[-2])} (step {loss.index[-2]}) → {num(loss.iloc[-1])} (step {loss.index[-1]}): "
-            f"×{num(lj)} in one step"
+            f"loss {num(loss.iloc[-2])} (step {a}) → {num(loss.iloc[-1])} (step {b}): ×{num(lj)} {span}"
         )
+        if stuck:
+            later = [
+                st for st in run.step_ids if b < st < before and math.isfinite(run.loss.get(st, math.nan))
+            ]
+            ev.append(
+                f"the gradients of step {b} overflowed (no finite gradient norm) and the loss stayed at least "
+                f"×{num(DIVERGENCE_JUMP_LOSS)} above step {a}'s on the {len(later)} later step(s)"
+            )
     if len(gn) >= 2:
         ev.append(
             f"gradient norm {num(gn.iloc[-2])} (step {gn.index[-2]}) → {num(gn.iloc[-1])} (step {gn.index[-1]}): "
@@ -456,15 +469,36 @@ def short_divergence(run: Facts, before: int) -> DivergenceFacts | None:
         for w, ok in (("the loss", len(loss) >= 2 and lj > 1), ("the gradient norm", len(gn) >= 2 and gj > 1))
         if ok
     )
+    if len(loss) < 2 or int(loss.index[-1]) == int(loss.index[-2]) + 1:
+        jumped = " jumped in one step"
+    else:  # steps the GradScaler skipped lie between: say how many updates the jump took
+        jumped = " jumped across one applied update" if applied_between(run, loss) == 1 else " jumped"
     return DivergenceFacts(
         True,
         ev,
         lr,
         ratio,
         warmup_of(run, steps),
-        grew=(grew or "the updates") + " jumped in one step",
+        grew=(grew or "the updates") + jumped,
         last_step=steps[-1],
     )
+
+
+def applied_between(run: Facts, loss: pd.Series) -> int:
+    """How many steps the optimizer applied between the last two steps of ``loss`` (not skipped by a scaler)."""
+    a, b = int(loss.index[-2]), int(loss.index[-1])
+    return sum(1 for st in run.step_ids if a <= st < b and run.skipped.get(st) is not True)
+
+
+def _stuck_after(run: Facts, step: int, before_jump: float, before: int) -> bool:
+    """The gradient norm of ``step`` is not finite (its gradients overflowed, so the GradScaler skipped it) and
+    every later recorded loss before ``before`` (at least one) stays at least :data:`DIVERGENCE_JUMP_LOSS`
+    times ``before_jump``."""
+    if math.isfinite(run.grad_norm.get(step, math.nan)) or not before_jump > 0:
+        return False
+    later = [run.loss.get(st, math.nan) for st in run.step_ids if step < st < before]
+    later = [v for v in later if math.isfinite(v)]
+    return bool(later) and all(v >= DIVERGENCE_JUMP_LOSS * before_jump for v in later)
 
 
 def divergence(

@@ -758,3 +758,51 @@ def test_weights_beyond_float16_from_the_initial_weights_name_no_step_minus_one(
         "`a.weight` absmax 70000 in the initial weights, from before step 0"
     )
     assert weights_words("a", [("weight", "float32", 70000.0, 3)]) == "`a.weight` absmax 70000 since step 3"
+
+
+def test_one_applied_update_that_blows_the_loss_up_under_a_scaler_is_divergence() -> None:
+    """Steps 0-1 are backoffs; step 2's update is the only one applied; from step 3 on the loss is ~1e5 (x7500
+    of step 0's) and every step's gradients overflow (no finite norm, skipped). Not a benign backoff: the
+    update made the model blow up, and the loss never came back."""
+    losses = [25.4, 4.8, 7.3, 191716.0, 204778.0, 311274.0, 265497.0, 163137.0]
+    rows: list[dict[str, object]] = []
+    for s in range(8):
+        rows.append({"step": s, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 3.0})
+        if s != 2:
+            rows.append(
+                {"step": s, "phase": "backward", "module": "fc", "tensor": "weight.grad", "n_posinf": 1}
+            )
+    steps = conftest.steps_frame(
+        [
+            {
+                "step": s,
+                "loss": losses[s],
+                "lr": 3.0,
+                "scale": 65536.0 / 2 ** (s - (s > 2)),
+                "skipped": s != 2,
+                "grad_norm": 11.1 if s == 2 else math.nan,
+            }
+            for s in range(8)
+        ]
+    )
+    d = diagnose(conftest.frame_view(conftest.records_frame(rows), steps))
+    assert d.cause == "divergence"
+    assert d.overflow is not None and (d.overflow.step, d.overflow.phase, d.overflow.module) == (
+        3,
+        "backward",
+        "fc",
+    )
+    assert "loss 25.4 (step 0) → 191716 (step 3): ×7548 across 1 applied update(s), steps 0–3" in d.evidence
+    assert (
+        "the gradients of step 3 overflowed (no finite gradient norm) and the loss stayed at least ×5 above step "
+        "0's on the 4 later step(s)" in d.evidence
+    )
+    assert d.evidence[0].startswith("the overflow the divergence led to at step 3: backward of `fc` (")
+    assert d.summary.startswith("The run diverged: the loss jumped across one applied update until ")
+    assert d.advice[0].startswith("Lower the (peak) learning rate from 3")
+    # the same run whose loss comes back after the spike: one odd batch, not a divergence
+    back = [*losses[:4], 20.0, 18.0, 15.0, 12.0]
+    calm = conftest.steps_frame(
+        [{**row, "loss": back[row["step"]]} for row in steps.to_dict("records")]  # type: ignore[index]
+    )
+    assert diagnose(conftest.frame_view(conftest.records_frame(rows), calm)).cause != "divergence"
