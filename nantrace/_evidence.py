@@ -639,12 +639,15 @@ def _result_dtype(text: Any) -> str | None:
 
 
 def _op_dtype(op: str, ops: tuple[Operand, ...], event_dtype: str, result_dtype: str | None = None) -> str:
-    """The dtype the op computed in: the widest floating dtype of its tensor operands (type promotion among
-    tensors), which is not the call's output dtype when the call casts afterwards (``softmax(s.float())``); a
-    cast's target is its result's dtype (the event's when the result was not recorded: a call may cast back,
-    ``x.half().float()``)."""
+    """The dtype the op computed in: its result's dtype when recorded (autocast runs a ``linear`` of a float16
+    input and a float32 weight in float16; a cast's target; type promotion's widest dtype), which is not the
+    call's output dtype when the call casts afterwards (``softmax(s.float())``, ``x.half().float()``).
+    Without the result: a cast's target is the event's dtype, any other op's the widest floating dtype of its
+    tensor operands."""
+    if result_dtype is not None:
+        return result_dtype
     if op == CAST_OP or _base(op) in _CASTS:
-        return result_dtype or event_dtype
+        return event_dtype
     floats = [o.dtype for o in ops if o.dtype is not None and not math.isnan(dtype_max(o.dtype))]
     return max(floats, key=dtype_max) if floats else event_dtype
 

@@ -386,3 +386,23 @@ def test_an_overflow_in_a_float16_op_of_a_float32_output_call_quotes_float16s_li
     )
     assert "float16 overflows above 65504" in str(ov)
     assert "3.403e+38" not in str(ov) + str(d)
+
+
+def test_an_autocast_linear_is_described_in_the_dtype_it_computed_in() -> None:
+    """Under CPU float16 autocast a ``linear`` gets a float16 input and a float32 weight and computes in float16:
+    the overflow is float16's (65504), not the widest operand's float32."""
+    m = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    with torch.no_grad():
+        for lin in m:
+            lin.weight.fill_(1.0)
+            lin.bias.zero_()
+    with nantrace.trace(m) as tr, torch.autocast("cpu", dtype=torch.float16):
+        m(torch.full((2, 16), 300.0))  # 300·16 = 4800, then 4800·16 = 76800 > 65504
+    ov = tr.first_overflow()
+    assert ov is not None
+    text = str(ov)
+    assert text.splitlines()[0] == "step 0 forward: `1` (`linear`) overflowed float16 (+inf)"
+    assert (
+        "inside its forward (float16), from finite inputs (input absmax 4800); float16 overflows above 65504"
+        in text
+    )
