@@ -164,6 +164,12 @@ class Made:
         with torch._C.DisableTorchFunction():  # no tensor attribute read here is an op of the replay
             for _, t in flatten(out, "out"):
                 if describable(t):
+                    if (
+                        t.is_inference()
+                    ):  # no version counter (inference_mode): in-place changes cannot be told
+                        self.intermediate = True  # apart, so the call is never passed over
+                        self.order, self.by_id = [], {}
+                        return
                     entry = [weakref.ref(t), t._version, 0]
                     self.order.append(entry)
                     self.by_id.setdefault(id(t), []).append(entry)
@@ -179,7 +185,7 @@ class Made:
         with torch._C.DisableTorchFunction():
             for _, t in flatten(tensors, "t"):
                 for entry in self.by_id.get(id(t), ()):
-                    if entry[0]() is t and entry[1] == t._version:
+                    if entry[0]() is t and not t.is_inference() and entry[1] == t._version:
                         entry[2] = max(entry[2], mark)
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:

@@ -675,3 +675,26 @@ def test_a_residual_block_whose_sum_goes_into_a_child_is_replayed_once(
     _steps(Leaf(Residual()), _RISING)
     assert replays == [("ReLU", 0), ("Residual", 0)]
     assert skipped == [False, False, True, True, True, True, True, True]
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_the_replay_names_the_op_under_inference_mode_too(mode: Any) -> None:
+    """Inference tensors have no version counter: the pass-over bookkeeping (``Made``) must not stop the replay
+    (it used to raise inside it, and the drill-down named nothing under ``torch.inference_mode``)."""
+
+    class Gate(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu((x * 0) * float("inf"))  # 0·inf: NaN
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.gate = nn.Linear(4, 4), Gate()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.gate(self.lin(x))
+
+    m = Net()
+    with nantrace.trace(m) as tr, mode():
+        m(torch.ones(2, 4))
+    assert tr.ops[["module", "op", "kind"]].values.tolist() == [["gate", "mul", "nan"]]
