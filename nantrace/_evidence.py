@@ -384,13 +384,14 @@ def weights_beyond_event(view: RunView, ov: Overflow) -> tuple[list[tuple[str, s
 
 
 # ---------------------------------------------------------------------------------------------- classes
-def _operands(text: Any) -> tuple[tuple[Operand, ...], tuple[tuple[float, str], ...], bool]:
+def _operands(text: Any) -> tuple[tuple[Operand, ...], tuple[tuple[float, str], ...], bool, str | None]:
+    """``(operands, vanished constants, recorded, the result's dtype or None)`` of the ``operands`` JSON."""
     if not isinstance(text, str) or not text:
-        return (), (), False
+        return (), (), False, None
     try:
         doc = json.loads(text)
     except ValueError:
-        return (), (), False
+        return (), (), False, None
     ops = []
     for d in doc.get("operands", []):
         d = dict(d)
@@ -398,7 +399,9 @@ def _operands(text: Any) -> tuple[tuple[Operand, ...], tuple[tuple[float, str], 
             d["shape"] = tuple(int(x) for x in d["shape"])
         ops.append(Operand(**{k: v for k, v in d.items() if k in Operand.__dataclass_fields__}))
     vanished = tuple((float(v), str(dt)) for v, dt in doc.get("vanished", []))
-    return tuple(ops), vanished, True
+    result = doc.get("result")
+    result_dtype = str(result["dtype"]) if isinstance(result, dict) and result.get("dtype") else None
+    return tuple(ops), vanished, True, result_dtype
 
 
 #: Reductions whose second positional argument is the dim (``x.sum(1)``, ``torch.cumsum(x, 0)``); for the
@@ -626,18 +629,6 @@ def mean_over_nothing(grad_rows: pd.DataFrame) -> int | None:
     return numel if numel > 0 and bad == 0 and int(grad_rows["n_zero"].sum()) == numel else None
 
 
-def _result_dtype(text: Any) -> str | None:
-    """The dtype of the producing op's result, from the ``operands`` JSON (None when not recorded)."""
-    if not isinstance(text, str) or not text:
-        return None
-    try:
-        result = json.loads(text).get("result") or {}
-    except (ValueError, AttributeError):
-        return None
-    dtype = result.get("dtype") if isinstance(result, dict) else None
-    return str(dtype) if dtype else None
-
-
 def _op_dtype(op: str, ops: tuple[Operand, ...], event_dtype: str, result_dtype: str | None = None) -> str:
     """The dtype the op computed in: its result's dtype when recorded (autocast runs a ``linear`` of a float16
     input and a float32 weight in float16; a cast's target; type promotion's widest dtype), which is not the
@@ -662,8 +653,8 @@ def op_evidence(view: RunView, ov: Overflow) -> OpEvidence | None:
     beyond = bool(weights_beyond_event(view, ov)[0]) if ov.phase == "forward" else False
     if row is not None:
         kind = str(row["kind"])
-        ops, vanished, recorded = _operands(row.get("operands"))
-        dtype = _op_dtype(str(row["op"]), ops, dtype, _result_dtype(row.get("operands")))
+        ops, vanished, recorded, result_dtype = _operands(row.get("operands"))
+        dtype = _op_dtype(str(row["op"]), ops, dtype, result_dtype)
         if beyond and str(row["op"]) != CAST_OP:
             cls, because, what = _classify_call(view, ov, kind, beyond)
         else:

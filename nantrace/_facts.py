@@ -429,7 +429,8 @@ def short_divergence(run: Facts, before: int) -> DivergenceFacts | None:
     ratio = float(ratios.iloc[-1]) if len(ratios) else math.nan
     # the gradients of the step after the jump overflowed (its norm is not finite) and the loss never came back
     # below the jump on any later recorded step: the update made the model blow up, not one odd batch
-    stuck = len(loss) >= 2 and _stuck_after(run, int(loss.index[-1]), float(loss.iloc[-2]), before)
+    later = _stuck_after(run, int(loss.index[-1]), float(loss.iloc[-2]), before) if len(loss) >= 2 else 0
+    stuck = later > 0
     jump = lj >= DIVERGENCE_JUMP_LOSS and (gj >= DIVERGENCE_JUMP_GRAD_NORM or stuck)
     fast = ratio >= DIVERGENCE_JUMP_UPDATE_RATIO and (lj >= DIVERGENCE_GROWTH or gj >= DIVERGENCE_GROWTH)
     if not (jump or fast):
@@ -443,12 +444,9 @@ def short_divergence(run: Facts, before: int) -> DivergenceFacts | None:
             f"loss {num(loss.iloc[-2])} (step {a}) → {num(loss.iloc[-1])} (step {b}): ×{num(lj)} {span}"
         )
         if stuck:
-            later = [
-                st for st in run.step_ids if b < st < before and math.isfinite(run.loss.get(st, math.nan))
-            ]
             ev.append(
                 f"the gradients of step {b} overflowed (no finite gradient norm) and the loss stayed at least "
-                f"×{num(DIVERGENCE_JUMP_LOSS)} above step {a}'s on the {len(later)} later step(s)"
+                f"×{num(DIVERGENCE_JUMP_LOSS)} above step {a}'s on the {later} later step(s)"
             )
     if len(gn) >= 2:
         ev.append(
@@ -472,7 +470,7 @@ def short_divergence(run: Facts, before: int) -> DivergenceFacts | None:
     if len(loss) < 2 or int(loss.index[-1]) == int(loss.index[-2]) + 1:
         jumped = " jumped in one step"
     else:  # steps the GradScaler skipped lie between: say how many updates the jump took
-        jumped = " jumped across one applied update" if applied_between(run, loss) == 1 else " jumped"
+        jumped = " jumped across one applied update" if applied == 1 else " jumped"
     return DivergenceFacts(
         True,
         ev,
@@ -490,15 +488,15 @@ def applied_between(run: Facts, loss: pd.Series) -> int:
     return sum(1 for st in run.step_ids if a <= st < b and run.skipped.get(st) is not True)
 
 
-def _stuck_after(run: Facts, step: int, before_jump: float, before: int) -> bool:
-    """The gradient norm of ``step`` is not finite (its gradients overflowed, so the GradScaler skipped it) and
-    every later recorded loss before ``before`` (at least one) stays at least :data:`DIVERGENCE_JUMP_LOSS`
-    times ``before_jump``."""
+def _stuck_after(run: Facts, step: int, before_jump: float, before: int) -> int:
+    """How many later recorded losses (before ``before``) there are when the gradient norm of ``step`` is not
+    finite (its gradients overflowed, so the GradScaler skipped it) and every one of them stays at least
+    :data:`DIVERGENCE_JUMP_LOSS` times ``before_jump``; 0 otherwise."""
     if math.isfinite(run.grad_norm.get(step, math.nan)) or not before_jump > 0:
-        return False
+        return 0
     later = [run.loss.get(st, math.nan) for st in run.step_ids if step < st < before]
     later = [v for v in later if math.isfinite(v)]
-    return bool(later) and all(v >= DIVERGENCE_JUMP_LOSS * before_jump for v in later)
+    return len(later) if later and all(v >= DIVERGENCE_JUMP_LOSS * before_jump for v in later) else 0
 
 
 def divergence(
