@@ -44,6 +44,7 @@ from ._tree import clone_tree, flatten
 
 __all__ = [
     "CAST_OP",
+    "OWN_HOOK",
     "CastWatch",
     "FirstNonfinite",
     "Found",
@@ -53,6 +54,7 @@ __all__ = [
     "call_key",
     "drill_call",
     "headroom_fraction",
+    "leaf_key",
     "reaches_output",
     "replay_call",
     "user_line",
@@ -397,7 +399,14 @@ class Suspects:
     The rule assumes a module runs the same ops for calls with the same key (input paths, shapes, dtypes,
     requires_grad, scalar arguments, training mode, grad mode); a key whose replay ever made an intermediate is
     never passed over. Under CPU autocast nothing is passed over (a cast inside one op is an intermediate that
-    :class:`CastWatch` names)."""
+    :class:`CastWatch` names).
+
+    What a replay learned is shared by the *leaf* modules that run the same code (:func:`leaf_key`: no child
+    module, the same class, plain attributes, parameter and buffer structure, hooks, training and grad mode and
+    input structure), so of twelve identical dropouts one is replayed: a verdict is stored under the call's own
+    key and its leaf key, a call is passed over when either holds a plain verdict and neither was ever mixed.
+    Containers keep per-instance keys (their children may differ). A leaf passed over this way still had its own
+    signal at a new high (``zero_high`` and ``reach_high`` stay per module) and a finite output."""
 
     def __init__(self) -> None:
         self.zero_high: dict[int, float] = {}  # per module: the largest fraction of zeros its outputs held
@@ -406,7 +415,11 @@ class Suspects:
         self.mixed: set[Any] = set()  # call keys whose replay made an intermediate value: never passed over
 
     def check(
-        self, mcode: int, ins: list[tuple[str, Any]], output: Any, stats_of: Callable[[Any], Any]
+        self,
+        mcode: int,
+        ins: list[tuple[str, Any]],
+        output: Any,
+        stats_of: Callable[[Any], Any],
     ) -> bool:
         """True when a signal is at a new high for module ``mcode`` (``stats_of(t)``: a tensor's host stats)."""
         out = zero_fraction(list(flatten(output, "o")), stats_of)
@@ -423,28 +436,39 @@ class Suspects:
             hit = True
         return hit
 
-    def skips(self, key: Any, output: Any, stats_of: Callable[[Any], Any], children_clean: bool) -> bool:
-        """True when a call with ``key`` cannot hide a transient inf: an earlier replay with that key made no
-        intermediate value, the call's outputs have host statistics (their finiteness was read, not assumed),
-        and, for ``"children"``, ``children_clean``: no kind was recorded in the micro-step beyond the call's
-        input kinds and no record was dropped."""
-        if key is None or key in self.mixed:
+    def skips(
+        self,
+        key: Any,
+        output: Any,
+        stats_of: Callable[[Any], Any],
+        children_clean: bool,
+        leaf: Any = None,
+    ) -> bool:
+        """True when a call with ``key`` (or with the ``leaf`` key, :func:`leaf_key`: another leaf module running
+        the same code) cannot hide a transient inf: an earlier replay with that key made no intermediate value
+        and neither key was ever seen with one, the call's outputs have host statistics (their finiteness was
+        read, not assumed), and, for ``"children"``, ``children_clean``: no kind was recorded in the micro-step
+        beyond the call's input kinds and no record was dropped."""
+        keys = [k for k in (key, leaf) if k is not None]
+        if not keys or any(k in self.mixed for k in keys):
             return False
-        plain = self.plain.get(key)
+        plain = next((self.plain[k] for k in keys if k in self.plain), None)
         if plain is None or (plain == "children" and not children_clean):
             return False
         return _host_stats(list(flatten(output, "o")), stats_of) is not None
 
-    def learn(self, key: Any, made: Made) -> None:
-        """Remember what the replay of a call with ``key`` showed (:class:`Made`): an intermediate value marks
-        the key for good; a replay that ran to its end without one makes it plain."""
-        if key is None:
-            return
-        if made.intermediate:
-            self.mixed.add(key)
-            self.plain.pop(key, None)
-        elif made.plain is not None and key not in self.mixed:
-            self.plain[key] = made.plain
+    def learn(self, key: Any, made: Made, leaf: Any = None) -> None:
+        """Remember what the replay of a call with ``key`` (and ``leaf``, :func:`leaf_key`) showed
+        (:class:`Made`): an intermediate value marks the keys for good; a replay that ran to its end without one
+        makes them plain."""
+        for k in (key, leaf):
+            if k is None:
+                continue
+            if made.intermediate:
+                self.mixed.add(k)
+                self.plain.pop(k, None)
+            elif made.plain is not None and k not in self.mixed:
+                self.plain[k] = made.plain
 
 
 _SCALARS = (bool, int, float, str, type(None))
@@ -461,15 +485,162 @@ def call_key(mcode: int, module: torch.nn.Module, args: Any, kwargs: Any) -> tup
             (path, t.shape, t.dtype, t.requires_grad)
             for path, t in [*flatten(args, "input"), *flatten(kwargs, "input")]
         )
-        named = [*enumerate(args), *sorted(kwargs.items())]
-        scalars = tuple(
-            (k, v if isinstance(v, _SCALARS) else type(v))
-            for k, v in named
-            if not isinstance(v, torch.Tensor)
-        )
-        key = (mcode, module.training, torch.is_grad_enabled(), tensors, scalars)
+        key = (mcode, module.training, torch.is_grad_enabled(), tensors, _scalar_args(args, kwargs))
         hash(key)
     except Exception:  # best effort: a call without a key is never passed over
+        return None
+    return key
+
+
+def _scalar_args(args: Any, kwargs: Any) -> tuple[Any, ...]:
+    """The non-tensor arguments of a call: scalars by value, anything else by its type."""
+    named = [*enumerate(args), *sorted(kwargs.items())]
+    return tuple(
+        (k, v if isinstance(v, _SCALARS) else type(v)) for k, v in named if not isinstance(v, torch.Tensor)
+    )
+
+
+OWN_HOOK = "_nantrace_recording_hook"  # set on nantrace's own module hooks: they return at once in a replay
+
+# nn.Module's own bookkeeping in a module's __dict__, handled one by one in leaf_key: the parameter and buffer
+# tables by structure, the forward and backward hook tables by what each hook runs, the child table must be
+# empty; what only state_dict/load_state_dict read is left out (it changes no op of a forward). An attribute a
+# newer torch adds that is not named here falls to the general rule (scalars by value, others by identity).
+_STRUCTURE = frozenset({"_parameters", "_buffers"})
+_HOOK_TABLES = (
+    ("_forward_pre_hooks", ("_forward_pre_hooks_with_kwargs",)),
+    ("_forward_hooks", ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")),
+    ("_backward_pre_hooks", ()),
+    ("_backward_hooks", ()),
+)
+_HOOK_STATE = frozenset(name for table, flags in _HOOK_TABLES for name in (table, *flags))
+_NOT_FORWARD = frozenset(
+    {
+        "_non_persistent_buffers_set",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+    }
+)
+_VALUES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout)
+
+
+class _Ident:
+    """An attribute compared by identity and held weakly: equal only to another ``_Ident`` of the same live
+    object (an object that died, and a new one that got its id, are not equal)."""
+
+    __slots__ = ("oid", "ref")
+
+    def __init__(self, obj: Any) -> None:
+        self.oid = id(obj)
+        self.ref = weakref.ref(obj)  # TypeError for an object without weak references: no key
+
+    def __hash__(self) -> int:
+        return self.oid
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Ident) or other.oid != self.oid:
+            return False
+        obj = self.ref()
+        return obj is not None and obj is other.ref()
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """A hashable stand-in for one attribute value: scalars (and dtypes, devices) by type and value, tuples and
+    lists of such by their items, anything else by identity (:class:`_Ident`; raises when it has no weak
+    references)."""
+    if isinstance(value, _VALUES):
+        return (type(value), value)
+    if isinstance(value, (tuple, list)) and depth < 4:
+        return (type(value), tuple(_plain(v, depth + 1) for v in value))
+    return _Ident(value)
+
+
+def _hook_code(hook: Any) -> Any:
+    """What one hook runs: nantrace's own recording hooks (``OWN_HOOK``, they return at once during a replay) as
+    one marker; a function by its code object and the values it closed over (:func:`_plain`); a bound method by
+    its function's code and its object's identity; anything else by identity."""
+    if getattr(hook, OWN_HOOK, False):
+        return OWN_HOOK
+    for _ in range(8):  # functools.wraps chains (torch.compiler.disable's wrapper)
+        inner = getattr(hook, "__wrapped__", None)
+        if inner is None:
+            break
+        hook = inner
+    func = getattr(hook, "__func__", None)
+    if func is not None:  # a bound method
+        return (_hook_code(func), _Ident(hook.__self__))
+    code = getattr(hook, "__code__", None)
+    if code is None:
+        return _Ident(hook)
+    cells = tuple(_plain(c.cell_contents) for c in (hook.__closure__ or ()))
+    defaults = tuple(_plain(d) for d in (hook.__defaults__ or ()))
+    return (code, cells, defaults)
+
+
+def _tensor_table(table: dict[str, Any]) -> tuple[Any, ...]:
+    """Parameters or buffers by structure: name, type, shape, dtype, device, layout, requires_grad."""
+    return tuple(
+        (name, None)
+        if t is None
+        else (name, type(t), tuple(t.shape), t.dtype, t.device, t.layout, t.requires_grad)
+        for name, t in table.items()
+    )
+
+
+def _hooks_of(state: dict[str, Any]) -> tuple[Any, ...]:
+    """Each hook table of a module, in order, as what each hook runs and its flags (with kwargs, always
+    called)."""
+    out = []
+    for table, flags in _HOOK_TABLES:
+        hooks = state.get(table) or {}
+        marks = [state.get(f) or {} for f in flags]
+        out.append(tuple((_hook_code(h), *(hid in m for m in marks)) for hid, h in hooks.items()))
+    return tuple(out)
+
+
+def leaf_key(module: torch.nn.Module, args: Any, kwargs: Any) -> tuple[Any, ...] | None:
+    """The key :class:`Suspects` shares between instances of a leaf module that run the same code: what a
+    replay of one of them learned (:class:`Made`) holds for all. A leaf (no child module) of the same class, with
+    the same plain attributes (``p``, ``eps``, ``inplace``: scalars and tuples of them by value, any other
+    attribute by identity), the same parameter and buffer structure (names, types, shapes, dtypes, devices,
+    requires_grad), the same forward and backward hooks (by what they run), training mode, grad mode and input
+    structure (each tensor's path, shape, strides, dtype, device, requires_grad, and the scalar arguments) runs
+    the same ops as another. None (nothing shared) for a container, a module with its own ``forward`` in its
+    ``__dict__``, under CPU autocast, or when an attribute cannot be compared (no weak reference)."""
+    if torch.is_autocast_enabled("cpu"):
+        return None
+    try:
+        state = module.__dict__
+        if state.get("_modules") or "forward" in state:
+            return None
+        attrs = tuple(
+            (name, _plain(value))
+            for name, value in sorted(state.items())
+            if name not in _STRUCTURE
+            and name not in _HOOK_STATE
+            and name not in _NOT_FORWARD
+            and name != "_modules"
+        )
+        tensors = tuple(
+            (path, t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+            for path, t in [*flatten(args, "input"), *flatten(kwargs, "input")]
+        )
+        key = (
+            "leaf",
+            type(module),
+            attrs,
+            _tensor_table(state.get("_parameters") or {}),
+            _tensor_table(state.get("_buffers") or {}),
+            _hooks_of(state),
+            module.training,
+            torch.is_grad_enabled(),
+            tensors,
+            _scalar_args(args, kwargs),
+        )
+        hash(key)
+    except Exception:  # best effort: a call without a leaf key shares nothing
         return None
     return key
 

@@ -23,7 +23,16 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ._drill import CAST_OP, FirstNonfinite, Made, Suspects, call_key, drill_call
+from ._drill import (
+    CAST_OP,
+    OWN_HOOK,
+    FirstNonfinite,
+    Made,
+    Suspects,
+    call_key,
+    drill_call,
+    leaf_key,
+)
 from ._naming import positional_names
 from ._schema import PHASE_CODE
 from ._stats import describable, is_clean_host, stats_device, stats_host
@@ -250,20 +259,22 @@ class Recorder:
         transient: bool = False,
         micro: int | None = None,
         key: Any = None,
+        leaf: Any = None,
     ) -> bool:
         """Replay the call on copies of its inputs and buffers with recording off (:func:`nantrace._drill.drill_call`,
         host path only; best effort) and add an ``ops`` row for the op that made a new kind, with the user's
         source line and ``reaches`` (``transient``: the output was finite). True when an op was named. ``key``
         (:func:`nantrace._drill.call_key`): what the replay showed about intermediate values is learned for it
-        (:meth:`nantrace._drill.Suspects.learn`)."""
-        made = Made(self.recorded.__contains__) if key is not None else None
+        (:meth:`nantrace._drill.Suspects.learn`), and for ``leaf`` (:func:`nantrace._drill.leaf_key`: every leaf
+        module running the same code)."""
+        made = Made(self.recorded.__contains__) if key is not None or leaf is not None else None
         self.active = False
         try:
             found = drill_call(module, args, kwargs, known, transient=transient, made=made)
         finally:
             self.active = True
         if made is not None:
-            self.suspects.learn(key, made)
+            self.suspects.learn(key, made, leaf)
         if found is None:
             return False
         op, kind, facts, line, reaches = found
@@ -294,21 +305,13 @@ class Recorder:
             return False
         ins = [*flatten(args, "input"), *flatten(kwargs, "input")]
         if not (new_kind or own):  # a finite call: replayed only when the signals point to a transient inf
-            out = where[3] if where is not None and not out_kinds else None
-            transient = out is not None and (mcode, call) not in self.covered
-            cached = functools.partial(_cached, self.cache)
-            suspect = transient and self.suspects.check(mcode, ins, out, cached) and _same(ins, versions)
-            key = call_key(mcode, module, args, kwargs) if suspect else None
-            # no child output recorded in the micro-step held a kind beyond the call's inputs', none was dropped
-            children = self.seen_kinds <= in_kinds and self.dropped_records == 0
-            if suspect and self.suspects.skips(key, out, cached, children):
-                return False  # an earlier replay of such a call made no intermediate value: nothing to name
-            if suspect and self.replay(module, args, kwargs, in_kinds, mcode, call, transient=True, key=key):
-                self.covered.update(k[:2] for k in self.stack)  # the calls around it see the same value
+            if where is not None and not out_kinds and (mcode, call) not in self.covered:
+                _finite_call(self, module, args, kwargs, ins, in_kinds, versions, (mcode, call), where[3])
             return False
         if not _same(ins, versions):  # inputs modified in place by the call: a replay would not be faithful
             return False
-        self.replay(module, args, kwargs, in_kinds, mcode, call, key=call_key(mcode, module, args, kwargs))
+        key, leaf = call_key(mcode, module, args, kwargs), leaf_key(module, args, kwargs)
+        self.replay(module, args, kwargs, in_kinds, mcode, call, key=key, leaf=leaf)
         if self.light and where is not None and where[0] in self.phases:
             _light_inputs(self, where[0], mcode, where[1], call, ins, where[2], positional_names(module))
         return True
@@ -458,7 +461,35 @@ class Recorder:
             phase = "loss" if is_root and self.root_depth == 0 else "backward"
             self.watch_grads(phase, mcode, tcode, call, items, "grad_output", parent)
 
-        return eager(pre), eager(post)
+        return _own(eager(pre)), _own(eager(post))
+
+
+def _finite_call(
+    rec: Recorder,
+    module: torch.nn.Module,
+    args: Any,
+    kwargs: Any,
+    ins: list[tuple[str, Any]],
+    in_kinds: frozenset[str],
+    versions: tuple[int, ...],
+    at: tuple[int, int],
+    out: Any,
+) -> None:
+    """A finite call ``at`` = ``(module code, call)`` with output ``out``: replayed (:meth:`Recorder.replay`,
+    ``transient``) when a signal is at a new high (:meth:`nantrace._drill.Suspects.check`), its inputs were left
+    unchanged, and no earlier replay under its call key or leaf key showed it cannot hide a transient inf
+    (:meth:`nantrace._drill.Suspects.skips`)."""
+    mcode, call = at
+    cached = functools.partial(_cached, rec.cache)
+    if not (rec.suspects.check(mcode, ins, out, cached) and _same(ins, versions)):
+        return
+    key, leaf = call_key(mcode, module, args, kwargs), leaf_key(module, args, kwargs)
+    # no child output recorded in the micro-step held a kind beyond the call's inputs', none was dropped
+    children = rec.seen_kinds <= in_kinds and rec.dropped_records == 0
+    if rec.suspects.skips(key, out, cached, children, leaf):
+        return  # an earlier replay of such a call made no intermediate value: nothing to name
+    if rec.replay(module, args, kwargs, in_kinds, mcode, call, transient=True, key=key, leaf=leaf):
+        rec.covered.update(k[:2] for k in rec.stack)  # the calls around it see the same value
 
 
 def _light_inputs(
@@ -480,6 +511,13 @@ def _light_inputs(
             rec.add(phase, mcode, tcode, call, path, t, is_grad=False, parent=parent, arg=_arg(path, names))
     finally:
         rec.light = True
+
+
+def _own(hook: Callable[..., None]) -> Callable[..., None]:
+    """Mark one of nantrace's module hooks: they return at once during a replay, so the leaf keys
+    (:func:`nantrace._drill.leaf_key`) of instances that differ only in them are the same."""
+    setattr(hook, OWN_HOOK, True)
+    return hook
 
 
 def _cached(cache: dict[int, Any], t: torch.Tensor) -> Any:

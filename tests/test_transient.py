@@ -698,3 +698,156 @@ def test_the_replay_names_the_op_under_inference_mode_too(mode: Any) -> None:
     with nantrace.trace(m) as tr, mode():
         m(torch.ones(2, 4))
     assert tr.ops[["module", "op", "kind"]].values.tolist() == [["gate", "mul", "nan"]]
+
+
+# ------------------------------------------------------------------ leaf modules that run the same code share
+
+
+class Drops(nn.Module):
+    """An identity Linear, then one Dropout per entry of ``ps``, each followed by ``+ 0.5`` in the container's
+    own code: no zero reaches the next Dropout or the output, so each Dropout's zeros are its own signal."""
+
+    def __init__(self, ps: tuple[float, ...]) -> None:
+        super().__init__()
+        self.fc = _eye()
+        self.drops = nn.ModuleList(nn.Dropout(p) for p in ps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        for d in self.drops:
+            h = d(h) + 0.5
+        return h
+
+
+def _positive(n: int = 3) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [torch.rand(4, 8) + 1.0 for _ in range(n)]
+
+
+def test_identical_dropouts_are_replayed_once_in_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four Dropout(0.5) leaves (same class, p, inplace, no parameters, the same hooks, input structure): the
+    first one's replay shows it makes no intermediate value, and that holds for the other three, whose zeros
+    signals (each its first, so a new high for each module) are passed over. Three steps, one replay."""
+    replays, skipped = _count_replays(monkeypatch)
+    tr = _steps(Drops((0.5, 0.5, 0.5, 0.5)), _positive())
+    assert replays == [("Dropout", 0)]
+    assert skipped[:4] == [False, True, True, True] and all(skipped[4:])
+    assert len(tr.ops) == 0 and tr.first_overflow() is None
+
+
+def test_dropouts_of_different_p_are_replayed_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropout(0.5) and Dropout(0.25) differ in a plain attribute (``p``): each is replayed once."""
+    replays, skipped = _count_replays(monkeypatch)
+    _steps(Drops((0.5, 0.25)), _positive())
+    assert replays == [("Dropout", 0), ("Dropout", 0)]
+    assert skipped[:2] == [False, False]
+
+
+class Scale(nn.Module):
+    """A leaf holding a plain scalar and a shared object (compared by identity)."""
+
+    def __init__(self, factor: float, cfg: Any) -> None:
+        super().__init__()
+        self.factor = factor
+        self.cfg = cfg
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+class Cfg:
+    """A configuration object shared by modules (compared by identity)."""
+
+
+def _hook(module: nn.Module, args: Any, output: Any) -> None:
+    return None
+
+
+def test_which_leaves_share_a_key() -> None:
+    """``leaf_key``: equal for leaves of one class with the same plain attributes, parameter structure, hooks
+    and input structure (weights' values do not count); different when any of those differ; None for a
+    container, a per-instance ``forward``, an attribute with no identity to hold, and under CPU autocast."""
+    from nantrace._drill import leaf_key
+
+    x, y = torch.randn(2, 8), torch.randn(3, 8)
+
+    def key(m: nn.Module, *args: Any) -> Any:
+        return leaf_key(m, args or (x,), {})
+
+    assert key(nn.Dropout(0.5)) == key(nn.Dropout(0.5)) is not None
+    assert key(nn.Dropout(0.5)) != key(nn.Dropout(0.25))
+    assert key(nn.Dropout(0.5)) != key(nn.Dropout(0.5, inplace=True))
+    assert key(nn.Dropout(0.5)) != key(nn.Dropout(0.5).eval())
+    assert key(nn.Dropout(0.5)) != key(nn.Dropout(0.5), y)  # another input shape
+    assert key(nn.Dropout(0.5)) != key(nn.Dropout(0.5), x.t().contiguous().t())  # other strides
+    assert key(nn.Linear(8, 8)) == key(nn.Linear(8, 8)) is not None  # other weights, same structure
+    assert key(nn.Linear(8, 8)) != key(nn.Linear(8, 8, bias=False))
+    assert key(nn.Linear(8, 8)) != key(nn.Linear(8, 8).half(), x.half())
+    assert key(nn.Linear(8, 8)) != key(nn.Linear(8, 8).requires_grad_(False))
+    assert key(nn.Dropout(0.5)) != key(nn.Dropout(0.5), x.clone().requires_grad_())
+    grad_on = key(nn.Dropout(0.5))
+    with torch.no_grad():
+        assert grad_on != key(nn.Dropout(0.5))
+    cfg, other = Cfg(), Cfg()
+    assert key(Scale(2.0, cfg)) == key(Scale(2.0, cfg)) is not None
+    assert key(Scale(2.0, cfg)) != key(Scale(2.0, other))  # a shared object counts by identity
+    assert key(Scale(2.0, cfg)) != key(Scale(3.0, cfg))
+    assert key(Scale(2, cfg)) != key(Scale(2.0, cfg))  # an int is not a float
+    hooked, hooked2, other_hook = nn.Dropout(0.5), nn.Dropout(0.5), nn.Dropout(0.5)
+    hooked.register_forward_hook(_hook)
+    hooked2.register_forward_hook(_hook)
+    other_hook.register_forward_hook(lambda m, a, o: None)
+    assert key(hooked) == key(hooked2) is not None
+    assert key(hooked) != key(nn.Dropout(0.5))
+    assert key(hooked) != key(other_hook)
+    assert key(nn.Sequential(nn.ReLU())) is None  # a container: per-instance keys only
+    own = nn.Dropout(0.5)
+    own.forward = lambda t: t  # type: ignore[method-assign]
+    assert key(own) is None
+    assert key(Scale(2.0, {"a": 1})) is None  # a dict has no weak reference: nothing to compare it by
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert key(nn.Dropout(0.5)) is None
+
+
+def test_a_leaf_key_holds_no_object_alive() -> None:
+    """An attribute counts by identity through a weak reference: the key keeps no object alive, and a key of an
+    object that died equals no key of a new one."""
+    import gc
+    import weakref
+
+    from nantrace._drill import leaf_key
+
+    cfg = Cfg()
+    ref = weakref.ref(cfg)
+    m = Scale(2.0, cfg)
+    k = leaf_key(m, (torch.randn(2, 8),), {})
+    assert k is not None
+    del m, cfg
+    gc.collect()
+    assert ref() is None
+    m2 = Scale(2.0, Cfg())
+    assert k != leaf_key(m2, (torch.randn(2, 8),), {})
+
+
+def test_a_shared_verdict_is_learned_for_both_keys_and_mixed_wins() -> None:
+    """``Suspects``: a plain replay under (call key, leaf key) passes over a call of another instance with the same
+    leaf key; one mixed replay under that leaf key stops every pass-over through it (its own call key still
+    holds for the first instance)."""
+    from nantrace._drill import Made, Suspects, drill_call
+
+    def made_of(module: nn.Module) -> Made:
+        made = Made()
+        drill_call(module, (torch.randn(2, 8),), {}, frozenset(), transient=True, made=made)
+        return made
+
+    s = Suspects()
+    out = torch.ones(2, 8)
+    stats = lambda t: (0,) * 8  # noqa: E731  host statistics present
+    s.learn(("a",), made_of(nn.ReLU()), ("leaf",))
+    assert s.skips(("b",), out, stats, True, ("leaf",)) is True
+    assert s.skips(("b",), out, stats, True) is False  # without the leaf key: nothing learned for b
+    assert s.skips(("b",), out, lambda t: None, True, ("leaf",)) is False  # finiteness not read: never
+    s.learn(("c",), made_of(Gate()), ("leaf",))
+    assert s.skips(("b",), out, stats, True, ("leaf",)) is False
+    assert s.skips(("a",), out, stats, True, ("leaf",)) is False
+    assert s.skips(("a",), out, stats, True) is True
