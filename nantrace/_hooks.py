@@ -37,7 +37,7 @@ from ._naming import positional_names
 from ._schema import PHASE_CODE
 from ._stats import describable, is_clean_host, stats_device, stats_host
 from ._store import PendingStep, Store
-from ._tree import flatten
+from ._tree import flatten_list
 
 __all__ = ["CAST_OP", "FirstNonfinite", "Recorder", "eager", "in_backward", "kinds_of_stats"]
 
@@ -54,10 +54,12 @@ def kinds_of_stats(stats: Any) -> frozenset[str] | None:
     return frozenset(k for i, k in _KIND_COLS if stats[i] > 0)
 
 
+_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def in_backward() -> bool:
     """True while autograd's engine runs a backward pass (a checkpoint's recomputed forward runs there)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return _TASK_ID is not None and _TASK_ID() != -1
 
 
 def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -114,7 +116,9 @@ class Recorder:
         self.dropped_records = 0  # records dropped because a statistic ran out of memory
         self._dtype_codes: dict[torch.dtype, int] = {}
         self._shape_codes: dict[torch.Size, int] = {}
-        self._on_grad = eager(self._record_grad)
+        self._on_grads = eager(self._record_grads)
+        # id(tensor) -> (weak reference, version, targets, hook id) of the tensor hooks registered in the step
+        self.grad_targets: dict[int, tuple[weakref.ref[torch.Tensor], int, list[tuple[Any, ...]], int]] = {}
 
     # ------------------------------------------------------------ statistics
     def stat(self, t: torch.Tensor) -> tuple[Any, int]:
@@ -229,6 +233,7 @@ class Recorder:
         for h in self.tensor_handles:
             h.remove()
         self.tensor_handles.clear()
+        self.grad_targets.clear()
         self.cache.clear()
         self.store.flush(self.step, self.pending, mask_rule)
         self.pending = PendingStep()
@@ -303,7 +308,7 @@ class Recorder:
         new_kind = bool(out_kinds) and not (out_kinds or frozenset()) <= self.seen_kinds
         if in_kinds is None or not self.drill:
             return False
-        ins = [*flatten(args, "input"), *flatten(kwargs, "input")]
+        ins = flatten_list(args, "input") + flatten_list(kwargs, "input")
         if not (new_kind or own):  # a finite call: replayed only when the signals point to a transient inf
             if where is not None and not out_kinds and (mcode, call) not in self.covered:
                 _finite_call(self, module, args, kwargs, ins, in_kinds, versions, (mcode, call), where[3])
@@ -317,26 +322,12 @@ class Recorder:
         return True
 
     # ------------------------------------------------------------ hook factories
-    def grad_hook(
-        self, phase: str, mcode: int, tcode: int, call: int, path: str, parent: int
-    ) -> Callable[[torch.Tensor], None]:
-        """The tensor hook recording one gradient: a ``functools.partial`` of one method wrapped by
-        :func:`eager` once per recorder (wrapping a new closure per tensor per step cost ~5 µs each)."""
-        return functools.partial(self._on_grad, phase, mcode, tcode, call, path, parent, max(self.micro, 0))
-
-    def _record_grad(
-        self,
-        phase: str,
-        mcode: int,
-        tcode: int,
-        call: int,
-        path: str,
-        parent: int,
-        micro: int,
-        grad: torch.Tensor,
-    ) -> None:
+    def _record_grads(self, targets: list[tuple[Any, ...]], grad: torch.Tensor) -> None:
+        """A tensor's hook: a row per target (the calls that saw it as output or input, in the order they
+        registered), the statistics computed once (:meth:`stat` caches them)."""
         if self.active:
-            self.add(phase, mcode, tcode, call, path, grad, is_grad=True, parent=parent, micro=micro)
+            for phase, mcode, tcode, call, path, parent, micro in targets:
+                self.add(phase, mcode, tcode, call, path, grad, is_grad=True, parent=parent, micro=micro)
 
     def watch_grads(
         self,
@@ -348,15 +339,28 @@ class Recorder:
         head: str,
         parent: int,
     ) -> None:
-        """Register gradient hooks on the tensors of ``items`` that will receive a gradient, named with
-        ``head`` (``grad_input``/``grad_output``) in place of ``input``/``output``."""
+        """Record the gradients of the tensors of ``items`` that will receive one, named with ``head``
+        (``grad_input``/``grad_output``) in place of ``input``/``output``. One tensor hook per tensor: one call's
+        output that is the next call's input gets a second target on the first's hook, when it is unchanged since
+        (same version: an in-place op gives it a new gradient function) and no hook was registered on it after
+        nantrace's (a user hook may change the gradient the later one sees). The hook is a ``functools.partial``
+        of one method wrapped by :func:`eager` once per recorder (a new wrapper per tensor cost ~5 µs)."""
         if phase not in self.phases or not torch.is_grad_enabled():
             return
-        items = _rename(items, head)
-        for path, t in items:
-            if t.requires_grad and describable(t):
-                h = t.register_hook(self.grad_hook(phase, mcode, tcode, call, path, parent))
-                self.tensor_handles.append(h)
+        micro = max(self.micro, 0)
+        for path, t in _rename(items, head):
+            if not (t.requires_grad and describable(t)):
+                continue
+            target = (phase, mcode, tcode, call, path, parent, micro)
+            key = id(t)
+            hit = self.grad_targets.get(key)
+            if hit is not None and hit[0]() is t and hit[1] == t._version and _last_hook(t) == hit[3]:
+                hit[2].append(target)
+                continue
+            targets = [target]
+            h = t.register_hook(functools.partial(self._on_grads, targets))
+            self.tensor_handles.append(h)
+            self.grad_targets[key] = (weakref.ref(t), t._version, targets, h.id)
 
     def module_hooks(
         self,
@@ -394,13 +398,14 @@ class Recorder:
                 self.capture.pre(mcode, args, kwargs)
             parent = self.stack[-1][0] if self.stack else -1
             names = positional_names(module)
-            items = list(flatten(args, "input"))
-            items += list(flatten(kwargs, "input"))
+            items = flatten_list(args, "input")
+            if kwargs:
+                items = items + flatten_list(kwargs, "input")
             phase = "data" if is_root else "forward"
             in_kinds: frozenset[str] | None = frozenset()
             if phase in phases:
                 for path, t in items:
-                    self.last_kinds = frozenset()
+                    self.last_kinds = _CLEAN
                     self.add(
                         phase,
                         mcode,
@@ -447,11 +452,11 @@ class Recorder:
             if call < 0 or output is None:
                 return
             parent = self.stack[-1][0] if self.stack else -1
-            items = list(flatten(output, "output"))
+            items = flatten_list(output, "output")
             if "forward" in phases:
                 out_kinds: frozenset[str] | None = frozenset()
                 for path, t in items:
-                    self.last_kinds = frozenset()
+                    self.last_kinds = _CLEAN
                     self.add("forward", mcode, tcode, call, path, t, is_grad=False, parent=parent)
                     out_kinds = _union(out_kinds, self.last_kinds)
                 where = ("data" if is_root else "forward", tcode, parent, output)
@@ -520,6 +525,12 @@ def _own(hook: Callable[..., None]) -> Callable[..., None]:
     return hook
 
 
+def _last_hook(t: torch.Tensor) -> int | None:
+    """The id of the last tensor hook registered on ``t`` (None when it has none or torch keeps them elsewhere)."""
+    hooks = getattr(t, "_backward_hooks", None)
+    return next(reversed(hooks), None) if hooks else None
+
+
 def _cached(cache: dict[int, Any], t: torch.Tensor) -> Any:
     """The statistics the step computed for ``t`` while unchanged (the Recorder's cache), or None."""
     hit = cache.get(id(t))
@@ -537,11 +548,17 @@ def _union(a: frozenset[str] | None, b: frozenset[str] | None) -> frozenset[str]
     return a | b
 
 
+_RENAMED: dict[tuple[str, str], str] = {}
+
+
 def _rename(items: list[tuple[str, torch.Tensor]], head: str) -> list[tuple[str, torch.Tensor]]:
     out = []
     for path, t in items:
-        rest = path.split("input", 1)[1] if path.startswith("input") else path.split("output", 1)[1]
-        out.append((head + (rest if rest else "[0]"), t))
+        name = _RENAMED.get((path, head))
+        if name is None:
+            rest = path.split("input", 1)[1] if path.startswith("input") else path.split("output", 1)[1]
+            name = _RENAMED[(path, head)] = head + (rest if rest else "[0]")
+        out.append((name, t))
     return out
 
 

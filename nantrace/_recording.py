@@ -427,6 +427,7 @@ class Recording:
         for h in self.rec.tensor_handles:
             h.remove()
         self.rec.tensor_handles.clear()
+        self.rec.grad_targets.clear()
         for obj, attr, had, old in reversed(self.patched):
             if had:
                 setattr(obj, attr, old)

@@ -235,7 +235,7 @@ def _bits_stats(x: torch.Tensor) -> tuple[float, ...] | None:
     try:
         if x.numel() <= min(NUMPY_ELEMENTS, CHUNK_ELEMENTS):
             a = xi.numpy()
-            smin, smax = int(a.min()), int(a.max())
+            smin, smax = int(_np_min(a, axis=None)), int(_np_max(a, axis=None))
         else:
             lo_t, hi_t = torch.aminmax(xi)
             smin, smax = int(lo_t), int(hi_t)
@@ -260,7 +260,9 @@ def _bits_stats(x: torch.Tensor) -> tuple[float, ...] | None:
                 return None
             u = (a if a is not None else xi.numpy()).view(_UINT[size])
             if a is not None:
-                big = int(u.max()) + sign  # the largest unsigned pattern: the most negative value
+                big = (
+                    int(_np_max(u, axis=None)) + sign
+                )  # the largest unsigned pattern: the most negative value
                 if big >= inf:
                     return None
                 lo = -_float_of_bits(big, dtype)
@@ -270,7 +272,9 @@ def _bits_stats(x: torch.Tensor) -> tuple[float, ...] | None:
                     return None
             hi = _float_of_bits(smax, dtype)
             neg = smin - sign  # magnitude bits of the negative value nearest zero (0: a -0.0)
-            pos = int(u.min()) if neg > 0 else 0  # the non-negative value nearest zero (0: a +0.0)
+            pos = (
+                int(_np_min(u, axis=None)) if neg > 0 else 0
+            )  # the non-negative value nearest zero (0: a +0.0)
             if pos > 0:
                 return (lo, hi, max(-lo, hi), _float_of_bits(min(pos, neg), dtype), 0.0, 0.0, 0.0, 0.0)
     except (RuntimeError, TypeError):  # bits numpy cannot read in place
@@ -296,15 +300,17 @@ def _zeros_and_least(xi: torch.Tensor, *, signed: bool) -> tuple[int, int]:
             a = c.numpy()
             a = a & keep if signed else a
             nonzero += int(np.count_nonzero(a))
-            lows.append(int((a - 1).view(unsigned).min()))
+            lows.append(int(_np_min((a - 1).view(unsigned), axis=None)))
         else:
             m = torch.bitwise_and(c, keep) if signed else c
             nonzero += int(torch.count_nonzero(m))
-            lows.append(int((m.sub_(1) if signed else m - 1).numpy().view(unsigned).min()))
+            lows.append(int(_np_min((m.sub_(1) if signed else m - 1).numpy().view(unsigned), axis=None)))
     return xi.numel() - nonzero, (min(lows) + 1 if nonzero else -1)
 
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+# the ufuncs' reductions, called directly: ``ndarray.min()`` goes through two Python-level numpy wrappers first
+_np_min, _np_max = np.minimum.reduce, np.maximum.reduce
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

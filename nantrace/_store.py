@@ -51,10 +51,17 @@ def to_host(tensors: Sequence[torch.Tensor]) -> np.ndarray:
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     out = np.empty(int(offsets[-1]), dtype=np.float64)
     for idxs in by_device.values():
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i in idxs:  # one cat per dtype, so every value is widened once, exactly (no promotion to float16)
+            by_dtype.setdefault(tensors[i].dtype, []).append(i)
+        order = [i for group in by_dtype.values() for i in group]
         with torch.no_grad():  # no detach per tensor: nothing here is recorded by autograd
-            flat = torch.cat([tensors[i].to(torch.float64).reshape(-1) for i in idxs]).cpu().numpy()
+            parts = [
+                torch.cat([tensors[i].reshape(-1) for i in g]).to(torch.float64) for g in by_dtype.values()
+            ]
+            flat = (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu().numpy()
         pos = 0
-        for i in idxs:
+        for i in order:
             out[offsets[i] : offsets[i + 1]] = flat[pos : pos + sizes[i]]
             pos += sizes[i]
     return out
@@ -166,13 +173,15 @@ def canonical_steps(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+_INT_RANGES = [(dt, int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for dt in (np.int8, np.int16, np.int32)]
+
+
 def _smallest_int(a: np.ndarray) -> np.ndarray:
     if a.size == 0:
         return a.astype(np.int32)
     lo, hi = int(a.min()), int(a.max())
-    for dt in (np.int8, np.int16, np.int32):
-        info = np.iinfo(dt)
-        if info.min <= lo and hi <= info.max:
+    for dt, low, high in _INT_RANGES:
+        if low <= lo and hi <= high:
             return a.astype(dt)
     return a.astype(np.int64)
 
@@ -348,8 +357,9 @@ class Store:
         if n:
             chunk = self.chunks[-1]
             bad = (chunk["n_nan"] + chunk["n_posinf"] + chunk["n_neginf"]) > 0
-            bad &= ~mask_rule(chunk, self)
-            n_nonfinite = int(bad.sum())
+            if bad.any():  # the mask rule only ever clears rows that hold inf/NaN
+                bad &= ~mask_rule(chunk, self)
+                n_nonfinite = int(bad.sum())
         growth = scalar("growth_tracker")
         stale = float(sum(float(a[0]) for a in got.get("stale", []))) if pending.stale else math.nan
         self.step_rows.append(

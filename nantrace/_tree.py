@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_DEPTH", "clone_tree", "flatten"]
+__all__ = ["MAX_DEPTH", "clone_tree", "flatten", "flatten_list"]
 
 MAX_DEPTH = 6
 
@@ -38,6 +38,28 @@ def flatten(obj: Any, prefix: str, depth: int = 0) -> Iterator[tuple[str, torch.
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from flatten(getattr(obj, f.name, None), f"{prefix}.{f.name}", depth + 1)
+
+
+_INDEXED: dict[tuple[str, int], str] = {}
+
+
+def _indexed(prefix: str, i: int) -> str:
+    path = _INDEXED.get((prefix, i))
+    if path is None:
+        path = _INDEXED[(prefix, i)] = f"{prefix}[{i}]"
+    return path
+
+
+def flatten_list(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    """``list(flatten(obj, prefix))``, without the generators for the common shapes of a module call's
+    arguments and outputs: one tensor, an empty container, a plain tuple or list of tensors."""
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)]
+    if (type(obj) is tuple or type(obj) is list or type(obj) is dict) and not obj:
+        return []
+    if (type(obj) is tuple or type(obj) is list) and all(isinstance(v, torch.Tensor) for v in obj):
+        return [(_indexed(prefix, i), v) for i, v in enumerate(obj)]
+    return list(flatten(obj, prefix))
 
 
 def clone_tree(obj: Any, depth: int = 0) -> Any:

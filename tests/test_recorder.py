@@ -726,6 +726,65 @@ def test_inplace_relu_after_linear() -> None:
     assert_stats(one(rec, phase="forward", module="act", tensor="output"), torch.relu(ref.fc(x)))
 
 
+class UserHookBetween(nn.Module):
+    """fc's output gets a user tensor hook that doubles its gradient before head takes it as input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = _planted_linear()
+        self.head = nn.Linear(2, 1, bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.tensor([[2.0, -1.0]]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h.register_hook(lambda g: g * 2)
+        return self.head(h)
+
+
+def test_one_tensor_hook_per_tensor_passed_between_modules() -> None:
+    """fc's output is head's input: one hook records both rows (grad_output of fc, grad_input of head)."""
+    m = LinReLU()
+    m.act = nn.Identity()  # no in-place op: fc's output reaches head unchanged
+    x = torch.tensor([[1.0, 0.0, 2.0], [-1.0, 3.0, 1.0]], requires_grad=True)
+    registered: list[int] = []
+    real = torch.Tensor.register_hook
+
+    def counting(self: torch.Tensor, hook: Any) -> Any:
+        registered.append(id(self))
+        return real(self, hook)
+
+    with nantrace.trace(m) as tr:
+        torch.Tensor.register_hook = counting  # type: ignore[method-assign]
+        try:
+            out = m(x)
+        finally:
+            torch.Tensor.register_hook = real  # type: ignore[method-assign]
+        out.sum().backward()
+    # x (root and fc inputs), fc's output (fc, act, head see it: Identity returns its input), the root's output
+    assert len(registered) == len(set(registered)) == 3
+    rec = tr.records
+    g = torch.tensor([[2.0, -1.0], [2.0, -1.0]])
+    for module, tensor in [("fc", "grad_output[0]"), ("act", "grad_input[0]"), ("act", "grad_output[0]")]:
+        assert_stats(one(rec, phase="backward", module=module, tensor=tensor), g, f"{module} {tensor}")
+    assert_stats(one(rec, phase="backward", module="head", tensor="grad_input[0]"), g)
+
+
+def test_user_hook_between_modules_is_seen_by_the_later_row() -> None:
+    """A user hook registered on fc's output between nantrace's two (fc's grad_output, then head's grad_input)
+    doubles the gradient: hooks of one tensor run in the order they were registered, each on what the one before
+    returned, so fc's row holds the gradient head sent back and head's row the doubled one. The two rows stay two
+    hooks (merging them would skip the user's hook for the later one)."""
+    m = UserHookBetween()
+    x = torch.tensor([[1.0, 0.0, 2.0], [-1.0, 3.0, 1.0]])
+    with nantrace.trace(m) as tr:
+        m(x).sum().backward()
+    rec = tr.records
+    g = torch.tensor([[2.0, -1.0], [2.0, -1.0]])
+    assert_stats(one(rec, phase="backward", module="fc", tensor="grad_output[0]"), g)
+    assert_stats(one(rec, phase="backward", module="head", tensor="grad_input[0]"), g * 2)
+
+
 class Shared(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -1214,3 +1214,30 @@ def test_inference_mode_and_no_grad_loops_record_without_hooks_piling_up() -> No
             ("forward", "", 0, "output"),
         ]
     )
+
+
+def test_flatten_list_gives_the_paths_of_flatten_for_every_shape() -> None:
+    from nantrace._tree import flatten, flatten_list
+
+    a, b = torch.ones(1), torch.zeros(2)
+    Pair = namedtuple("Pair", ["p", "q"])
+    shapes: list[Any] = [
+        a,
+        (),
+        [],
+        {},
+        (a,),
+        (a, b),
+        [a, b],
+        (a, None, b),
+        {"x": a, "odd key": b},
+        Pair(a, b),
+        (a, (b, a)),
+        None,
+        3,
+    ]
+    for obj in shapes:
+        got = flatten_list(obj, "input")
+        want = list(flatten(obj, "input"))
+        assert [(p, id(t)) for p, t in got] == [(p, id(t)) for p, t in want], obj
+    assert [p for p, _ in flatten_list((a, b), "output")] == ["output[0]", "output[1]"]
