@@ -256,8 +256,9 @@ class PendingStep:
     found_inf: torch.Tensor | float | None = None
     lr: Any = None
     # param index -> device flag (1: its .grad held inf/NaN before this step's backward added to it), None: no
-    # .grad yet; one entry per parameter, from the first backward of the step that reached it
-    stale: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    # .grad yet; one entry per parameter, from the first backward of the step that reached it. nantrace.watch
+    # puts its count of such parameters under -1 (a device count, or its value already read)
+    stale: dict[int, torch.Tensor | float | None] = field(default_factory=dict)
     micro_steps: int = 0
     # device summaries of the model inputs' per-sample flags (nantrace._samples), copied with the rest
     samples: list[torch.Tensor] = field(default_factory=list)
@@ -361,7 +362,17 @@ class Store:
                 bad &= ~mask_rule(chunk, self)
                 n_nonfinite = int(bad.sum())
         growth = scalar("growth_tracker")
-        stale = float(sum(float(a[0]) for a in got.get("stale", []))) if pending.stale else math.nan
+        read = iter(got.get("stale", []))
+        stale = (
+            float(
+                sum(
+                    float(next(read)[0]) if isinstance(f, torch.Tensor) else 0.0 if f is None else float(f)
+                    for f in pending.stale.values()
+                )
+            )
+            if pending.stale
+            else math.nan
+        )
         self.step_rows.append(
             {
                 "step": step,

@@ -8,7 +8,9 @@ grad mode at the root forward, and the gradients that arrive at the root's outpu
 tensors: one ``torch.aminmax`` per input and output tensor, per loss and per output gradient (NaN propagates
 into the minimum and maximum, ±inf is the extreme, and a large finite value cannot overflow it), one fused
 ``torch._foreach_norm`` over the gradients before ``optimizer.step()`` (beside the GradScaler's found-inf) and
-one over the parameters after it. The flags are read once before ``optimizer.step()`` (where
+one over the parameters after it; at the first gradient of a step's backward, the number of parameters whose
+``.grad`` already holds inf/NaN (``steps.stale_grads``: one fused largest-``|g|`` over the ``.grad`` tensors that
+exist then, none when the loop resets them to None). The flags are read once before ``optimizer.step()`` (where
 the GradScaler reads its found-inf) and the parameter flag once at the step boundary, never inside a hook; each
 read carries the tensors the step's ``steps`` row holds by then (loss, gradient norm, lr), whose values replace
 them on a healthy step, so the flush copies nothing more for them. What is built from the parameter list
@@ -19,7 +21,9 @@ When a flag is non-finite, every micro-step of the step is replayed with the rec
 autocast and grad mode, then ``torch.autograd.backward`` from the captured output gradients, in the order the
 real step ran them. ``.grad`` of every parameter, the module buffers (BatchNorm running statistics) and the RNG
 states are saved before and restored after, so the user's run continues bit for bit. A non-finite parameter
-after ``optimizer.step()`` is recorded as the ``optimizer`` phase rows of that step.
+after ``optimizer.step()`` is recorded as the ``optimizer`` phase rows of that step. The replay starts from no
+``.grad``, so it records what the step's own backward made; a flagged gradient whose ``.grad`` was already
+non-finite before the step (``stale_grads``) is reproduced when the replay's own values are finite.
 """
 
 from __future__ import annotations
@@ -112,22 +116,25 @@ def _extremes(items: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.T
     return paths, torch.stack([e.to(device=device, dtype=wide) for e in ends])
 
 
-def _norms(tensors: list[torch.Tensor], plain: bool = False) -> torch.Tensor:
-    """Per-tensor L2 norms, fused (``torch._foreach_norm``), accumulated in float32 (float64 tensors in
-    float64, which cannot be narrowed), on the first tensor's device. ``plain``: the caller knows that no
-    tensor is float64 and all are on one device (one fused call and one stack, no per-tensor work)."""
+def _norms(tensors: list[torch.Tensor], plain: bool = False, order: float = 2.0) -> torch.Tensor:
+    """Per-tensor norms (L2, or ``order=math.inf``: the largest ``|x|``), fused (``torch._foreach_norm``),
+    accumulated in float32 (float64 tensors in float64, which cannot be narrowed), on the first tensor's device.
+    ``plain``: the caller knows that no tensor is float64 and all are on one device (one fused call and one
+    stack, no per-tensor work)."""
     if plain:
-        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+        return torch.stack(torch._foreach_norm(tensors, order, dtype=torch.float32))
     wide = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]
     if not wide:
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        norms = torch._foreach_norm(tensors, order, dtype=torch.float32)
         return torch.stack([n.to(norms[0].device) for n in norms])
     narrow = [i for i in range(len(tensors)) if i not in set(wide)]
-    got = dict(zip(wide, torch._foreach_norm([tensors[i] for i in wide], 2), strict=True))
+    got = dict(zip(wide, torch._foreach_norm([tensors[i] for i in wide], order), strict=True))
     if narrow:
         got.update(
             zip(
-                narrow, torch._foreach_norm([tensors[i] for i in narrow], 2, dtype=torch.float32), strict=True
+                narrow,
+                torch._foreach_norm([tensors[i] for i in narrow], order, dtype=torch.float32),
+                strict=True,
             )
         )
     device = tensors[0].device
@@ -185,7 +192,7 @@ _HELD = ("scale", "next_scale", "growth_tracker", "found_inf", "lr", "applied_no
 
 def _held(pending: _store.PendingStep) -> list[tuple[str, Any, torch.Tensor]]:
     """The one-element tensors of the open step's ``steps`` row that the flush would read, as (field, key,
-    tensor): ``key`` is the list index (losses), the dict key (grad_norms) or None (a scalar field)."""
+    tensor): ``key`` is the list index (losses), the dict key (grad_norms, stale) or None (a scalar field)."""
     out: list[tuple[str, Any, torch.Tensor]] = [
         ("losses", i, t)
         for i, t in enumerate(pending.losses)
@@ -195,6 +202,9 @@ def _held(pending: _store.PendingStep) -> list[tuple[str, Any, torch.Tensor]]:
         ("grad_norms", k, t)
         for k, t in pending.grad_norms.items()
         if isinstance(t, torch.Tensor) and t.numel() == 1
+    ]
+    out += [
+        ("stale", k, t) for k, t in pending.stale.items() if isinstance(t, torch.Tensor) and t.numel() == 1
     ]
     for name in _HELD:
         v = getattr(pending, name)
@@ -225,6 +235,8 @@ def _release(pending: _store.PendingStep, held: list[tuple[str, Any, torch.Tenso
             pending.losses[key] = float(v)
         elif name == "grad_norms":
             pending.grad_norms[key] = float(v)
+        elif name == "stale":
+            pending.stale[key] = float(v)
         else:
             setattr(pending, name, float(v))
 
@@ -283,6 +295,7 @@ class Watch:
         self.flags: list[_Flag] = []
         self.param_flag: _Flag | None = None
         self.checked = False
+        self.stale_checked = False
         self.recorded = "watch"
         self.opt_mode = "full"
         self.handles: list[RemovableHandle] = []
@@ -404,6 +417,7 @@ class Watch:
         self.tensor_handles.clear()
         self.micro, self.flags, self.param_flag = [], [], None
         self.checked = False
+        self.stale_checked = False
         self.recorded = "watch"
 
     def _on_step_closed(self, recording: Recording, chunks: int, step: int, final: bool) -> None:
@@ -414,7 +428,9 @@ class Watch:
 
     def _mark(self, step: int) -> None:
         """Write how ``step`` was recorded into its ``steps`` row; a replay that recorded no non-finite value
-        did not reproduce the fault."""
+        did not reproduce the fault, unless the flagged gradient was one that already held inf/NaN before the
+        step's backward (``stale_grads``): the replay starts from no ``.grad``, so it records what the step's
+        own backward added, and that was finite."""
         cols = self.r.store.step_rows.cols
         recorded = self.recorded
         note = self.sentinel.get(str(step))
@@ -423,6 +439,8 @@ class Watch:
                 del self.sentinel[
                     str(step)
                 ]  # the replay recorded the -inf, and the mask rule judged it a mask
+            elif note is not None and note["phase"] == "backward" and cols["stale_grads"][-1] > 0:
+                note["carried_over"] = int(cols["stale_grads"][-1])  # reproduced: the step's own were finite
             else:
                 recorded = "not_reproduced"
         cols["recorded"][-1] = float(RECORDED.index(recorded))
@@ -526,6 +544,8 @@ class Watch:
         def hook(grad: torch.Tensor) -> None:
             if not self.live or self.replaying:
                 return
+            if not self.stale_checked:
+                self._stale_check()
             micro.grads[path] = grad
             if micro.backward_after < 0:
                 micro.backward_after = len(self.micro)
@@ -533,6 +553,25 @@ class Watch:
             self._flag("loss", [(head, grad)], micro=index)
 
         return eager(hook)
+
+    def _stale_check(self) -> None:
+        """At the first gradient of a watched step's backward (it arrives at the model's outputs before any
+        parameter's gradient of that backward is accumulated): how many parameters' ``.grad`` already hold
+        inf/NaN (a loop that never resets them keeps an earlier step's overflow there), ``steps.stale_grads``.
+        One fused largest-``|g|`` per existing ``.grad`` (exact: finite for any finite tensor, NaN propagates),
+        counted on the device and read with the step's flags; nothing is kept of the gradients."""
+        self.stale_checked = True
+        r = self.r
+        if "backward" not in r.rec.phases:
+            return  # as trace: not recorded
+        ps = self.param_set = _Params.current(self.param_set, r.params)
+        _, grads = ps.grads()
+        if not grads:
+            r.rec.pending.stale[-1] = 0.0  # no .grad yet (or reset to None): none is stale
+            return
+        with torch.no_grad():
+            peaks = _norms(grads, ps.plain, math.inf)
+            r.rec.pending.stale[-1] = torch.logical_not(torch.isfinite(peaks)).sum().float()
 
     def record_loss(self, loss: Any) -> None:
         """A loss seen by a front-end (``nantrace run`` sees ``loss.backward()``): checked on a watched step,

@@ -747,3 +747,124 @@ def test_healthy_under_watch_says_how_many_steps_were_only_watched() -> None:
         "4 of 5 steps were only watched (nantrace.watch's sentinel: model inputs, outputs, loss, gradients, "
         "parameters); a value that went non-finite and back to finite inside the model on those steps is not seen"
     )
+
+
+# ------------------------------------------------------------------ stale gradients: a loop without zero_grad()
+def _no_zero_grad(make: Any, *, zero_grad: bool | None = None, steps: int = 4) -> nantrace.Trace:
+    """float16 autocast + GradScaler; step 0's scaled gradient overflows (outputs near 300, scale 65536), the
+    later batches are small. ``zero_grad`` None: the loop never resets ``.grad``, so step 0's inf stays there;
+    False: ``zero_grad(set_to_none=False)`` (zeros kept in place); True: ``zero_grad()``."""
+    m = nn.Linear(4, 4)
+    with torch.no_grad():
+        m.weight.copy_(torch.linspace(-0.5, 0.5, 16).reshape(4, 4))
+        m.bias.fill_(0.1)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    with make(m, scaler=scaler, optimizer=opt) as tr:
+        for s in range(steps):
+            if zero_grad is not None:
+                opt.zero_grad(set_to_none=zero_grad)
+            with torch.autocast("cpu", dtype=torch.float16):
+                y = m(torch.full((2, 4), 300.0 if s == 0 else 1.0))
+            scaler.scale(y.float().pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+    return tr
+
+
+def _watch_none(m: nn.Module, **kw: Any) -> nantrace.Trace:
+    return nantrace.watch(m, every=None, **kw)
+
+
+@pytest.mark.parametrize("make", [_watch_none, nantrace.watch], ids=["every=None", "every=100"])
+def test_stale_gradients_are_recorded_on_watched_steps_and_diagnosed_as_under_trace(make: Any) -> None:
+    """The loop never calls zero_grad(): from step 1 on, the weight's and the bias's ``.grad`` already hold
+    step 0's inf when the backward reaches them. The sentinel counts them at the first gradient of each watched
+    step's backward, so the steps table and the diagnosis are trace's: the gradients are never reset (not
+    "overflow at every scale"). The replay records what each step's own backward added (finite from step 1 on):
+    the step was reproduced, not 'not_reproduced'."""
+    traced, watched = _no_zero_grad(nantrace.trace), _no_zero_grad(make)
+    assert traced.steps["stale_grads"].tolist() == [0.0, 2.0, 2.0, 2.0]
+    assert watched.steps["stale_grads"].tolist() == [0.0, 2.0, 2.0, 2.0]
+    first = "full" if make is nantrace.watch else "replay"
+    assert watched.steps["recorded"].tolist() == [first, "replay", "replay", "replay"]
+    assert watched.steps["skipped"].tolist() == traced.steps["skipped"].tolist() == [True] * 4
+    assert _fields(watched.first_overflow()) == _fields(traced.first_overflow())
+    assert _fields(traced.first_overflow()) == (0, 0, "loss", "", "Linear", 0, "grad_output[0]", "inf")
+    d, t = watched.diagnose(), traced.diagnose()
+    assert d.cause == t.cause == "loss_scale_collapse"
+    assert (
+        d.summary
+        == t.summary
+        == (
+            "The gradients are never reset: the inf of step 0 stays in `.grad`, so the GradScaler skips every step "
+            "from 0 on and the loss scale falls (65536 → 4096)."
+        )
+    )
+    assert (
+        "at steps 1–3 the `.grad` of 2 parameter(s) already held inf/NaN before the backward added to it: the loop "
+        "did not reset the gradients (no `zero_grad()` since), so that value stays in `.grad` and every later step "
+        "is skipped"
+    ) in d.evidence
+    assert d.advice[0].startswith("Reset the gradients every step: `optimizer.zero_grad()`")
+    assert watched.options["watch"]["sentinel"]["3"]["carried_over"] == 2
+
+
+@pytest.mark.parametrize("zero_grad", [True, False])
+def test_a_loop_that_resets_its_gradients_has_no_stale_gradients_under_watch(zero_grad: bool) -> None:
+    """zero_grad() (``.grad`` None: nothing to check) and zero_grad(set_to_none=False) (zeros: one fused
+    largest-|g| over them, read with the step's flags): 0 stale gradients on every step, as under trace, and the
+    step-0 overflow is a benign backoff."""
+    traced = _no_zero_grad(nantrace.trace, zero_grad=zero_grad)
+    watched = _no_zero_grad(_watch_none, zero_grad=zero_grad)
+    assert watched.steps["stale_grads"].tolist() == traced.steps["stale_grads"].tolist() == [0.0] * 4
+    assert watched.steps["recorded"].tolist() == ["replay", "watch", "watch", "watch"]
+    assert watched.diagnose().cause == traced.diagnose().cause == "scaler_backoff"
+
+
+def test_the_stale_count_costs_no_host_copy_and_no_read_inside_a_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``.grad`` kept between steps (never reset), the sentinel's stale count is one more device value in
+    the read it already makes before optimizer.step(): a healthy watched step still copies to the host twice
+    (that read and the post-step parameter flag; the flush copies nothing), and no hook reads a tensor."""
+    nonempty = [0]
+    real = _store.to_host
+
+    def counting(tensors: Any) -> Any:
+        nonempty[0] += bool(len(tensors))
+        return real(tensors)
+
+    monkeypatch.setattr(_store, "to_host", counting)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with (
+        nantrace.watch(model, optimizer=opt, sync_free=True, every=None) as tr,
+        watch_reads() as (violations, copies),
+    ):
+        for _ in range(3):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            tr.step(loss=loss)
+            loss.backward()
+            opt.step()
+    assert violations == []
+    assert nonempty[0] == 2 * 3 and copies[0] == 3 * 3  # and one empty to_host per flush
+    assert tr.steps["recorded"].tolist() == ["watch"] * 3
+    assert tr.steps["stale_grads"].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_a_large_finite_gradient_is_not_counted_stale() -> None:
+    """A float32 ``.grad`` of 3e38 whose L2 norm overflows float32: the largest |g| is finite, so it is no
+    stale gradient (an L2 norm would have called it inf)."""
+    model = nn.Linear(2, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nantrace.watch(model, optimizer=opt, every=None) as tr:
+        for _ in range(2):
+            model.weight.grad = torch.full((1, 2), 3e38)
+            loss = (model(torch.ones(1, 2)) * 0.0).sum()
+            tr.step(loss=loss)
+            loss.backward()
+            opt.step()
+    assert tr.steps["stale_grads"].tolist() == [0.0, 0.0]
+    assert tr.steps["recorded"].tolist() == ["watch", "watch"]
