@@ -67,7 +67,9 @@ class _Micro:
     grad_enabled: bool
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     backward_after: int = -1  # number of root forwards done when its output gradients arrived
-    losses: list[torch.Tensor] = field(default_factory=list)
+    # the losses seen, and whether its output gradients had arrived by then (a loss given to ``tr.step`` after
+    # ``loss.backward()``): the replay records each where the real step saw it
+    losses: list[tuple[Any, bool]] = field(default_factory=list)
 
 
 @dataclass
@@ -428,9 +430,7 @@ class Watch:
 
     def _mark(self, step: int) -> None:
         """Write how ``step`` was recorded into its ``steps`` row; a replay that recorded no non-finite value
-        did not reproduce the fault, unless the flagged gradient was one that already held inf/NaN before the
-        step's backward (``stale_grads``): the replay starts from no ``.grad``, so it records what the step's
-        own backward added, and that was finite."""
+        did not reproduce the fault, unless :func:`_explained` says what it was."""
         cols = self.r.store.step_rows.cols
         recorded = self.recorded
         note = self.sentinel.get(str(step))
@@ -439,9 +439,7 @@ class Watch:
                 del self.sentinel[
                     str(step)
                 ]  # the replay recorded the -inf, and the mask rule judged it a mask
-            elif note is not None and note["phase"] == "backward" and cols["stale_grads"][-1] > 0:
-                note["carried_over"] = int(cols["stale_grads"][-1])  # reproduced: the step's own were finite
-            else:
+            elif not _explained(note, cols["stale_grads"][-1]):
                 recorded = "not_reproduced"
         cols["recorded"][-1] = float(RECORDED.index(recorded))
         if str(step) in self.sentinel:
@@ -555,23 +553,12 @@ class Watch:
         return eager(hook)
 
     def _stale_check(self) -> None:
-        """At the first gradient of a watched step's backward (it arrives at the model's outputs before any
-        parameter's gradient of that backward is accumulated): how many parameters' ``.grad`` already hold
-        inf/NaN (a loop that never resets them keeps an earlier step's overflow there), ``steps.stale_grads``.
-        One fused largest-``|g|`` per existing ``.grad`` (exact: finite for any finite tensor, NaN propagates),
-        counted on the device and read with the step's flags; nothing is kept of the gradients."""
+        """At the first gradient of a watched step's backward: :func:`_count_stale` into the open step."""
         self.stale_checked = True
         r = self.r
-        if "backward" not in r.rec.phases:
-            return  # as trace: not recorded
-        ps = self.param_set = _Params.current(self.param_set, r.params)
-        _, grads = ps.grads()
-        if not grads:
-            r.rec.pending.stale[-1] = 0.0  # no .grad yet (or reset to None): none is stale
-            return
-        with torch.no_grad():
-            peaks = _norms(grads, ps.plain, math.inf)
-            r.rec.pending.stale[-1] = torch.logical_not(torch.isfinite(peaks)).sum().float()
+        if "backward" in r.rec.phases:  # as trace: else not recorded
+            self.param_set = _Params.current(self.param_set, r.params)
+            r.rec.pending.stale[-1] = _count_stale(self.param_set)
 
     def record_loss(self, loss: Any) -> None:
         """A loss seen by a front-end (``nantrace run`` sees ``loss.backward()``): checked on a watched step,
@@ -587,7 +574,7 @@ class Watch:
         for _, t in items:
             self.r.rec.pending.losses.append(t.detach().float().mean())
         if micro is not None and items:
-            micro.losses.append(_detach(loss))
+            micro.losses.append((_detach(loss), micro.backward_after >= 0))
         self._flag("loss", items)
 
     def _flag(self, phase: str, items: list[tuple[str, torch.Tensor]], micro: int | None = None) -> None:
@@ -645,31 +632,9 @@ class Watch:
             self._replay()
 
     def _note(self, bad: tuple[_Flag, int, float]) -> None:
-        f, i, v = bad
         step = self.r.rec.step
-        if str(step) in self.sentinel:
-            return
-        module, module_type = (
-            f.owners[i]
-            if f.owners
-            else (
-                "",
-                "loss" if f.phase == "loss" and f.paths[i].startswith("loss") else type(self.r.root).__name__,
-            )
-        )
-        if f.paths[i] == "found_inf":
-            module, module_type = "", "GradScaler"
-        self.sentinel[str(step)] = {
-            "step": step,
-            "micro_step": f.micro,
-            "phase": f.phase,
-            "module": module,
-            "module_type": module_type,
-            "tensor": f.paths[i],
-            "kind": "nan" if math.isnan(v) else "inf",
-            "value": "nan" if math.isnan(v) else "inf" if v > 0 else "-inf",
-            "recorded": "replay",
-        }
+        if str(step) not in self.sentinel:  # the first flagged value of the step
+            self.sentinel[str(step)] = _note_of(bad, step, type(self.r.root).__name__)
 
     def _replay(self) -> None:
         """Record every micro-step of this step again, with the recording on and nothing of the user's
@@ -705,6 +670,60 @@ class Watch:
             r.rec.active = False
 
 
+def _note_of(bad: tuple[_Flag, int, float], step: int, root_type: str) -> dict[str, Any]:
+    """What the sentinel saw first at ``step`` (the flag entry ``bad``): the note saved with the trace."""
+    f, i, v = bad
+    module, module_type = (
+        f.owners[i]
+        if f.owners
+        else ("", "loss" if f.phase == "loss" and f.paths[i].startswith("loss") else root_type)
+    )
+    if f.paths[i] == "found_inf":
+        module, module_type = "", "GradScaler"
+    return {
+        "step": step,
+        "micro_step": f.micro,
+        "phase": f.phase,
+        "module": module,
+        "module_type": module_type,
+        "tensor": f.paths[i],
+        "kind": "nan" if math.isnan(v) else "inf",
+        "value": "nan" if math.isnan(v) else "inf" if v > 0 else "-inf",
+        "recorded": "replay",
+    }
+
+
+def _count_stale(ps: _Params) -> torch.Tensor | float:
+    """How many parameters' ``.grad`` hold inf/NaN now, at the first gradient of a step's backward (it arrives at
+    the model's outputs before any parameter's gradient of that backward is accumulated): a loop that never
+    resets them keeps an earlier step's overflow there (``steps.stale_grads``). One fused largest-``|g|`` per
+    existing ``.grad`` (exact: finite for any finite tensor, NaN propagates), counted on the device, read with
+    the step's flags; nothing is kept of the gradients. 0.0 when no ``.grad`` exists (reset to None)."""
+    _, grads = ps.grads()
+    if not grads:
+        return 0.0
+    with torch.no_grad():
+        peaks = _norms(grads, ps.plain, math.inf)
+        return torch.logical_not(torch.isfinite(peaks)).sum().float()
+
+
+def _explained(note: dict[str, Any] | None, stale: float) -> bool:
+    """A replay that recorded no non-finite value still reproduced its step when the flagged value was a
+    gradient that already held inf/NaN before the step's backward (``stale`` such parameters: the replay starts
+    from no ``.grad``, so it records what the step's own backward added, and that was finite), or only the
+    GradScaler's found-inf was set while the sentinel's check of this model's gradients was finite (the inf was
+    in gradients outside the traced parameters, e.g. another model sharing the scaler). Says which in ``note``."""
+    if note is None:
+        return False
+    if note["phase"] == "backward" and stale > 0:
+        note["carried_over"] = int(stale)
+        return True
+    if note["tensor"] == "found_inf":
+        note["outside"] = True
+        return True
+    return False
+
+
 def _param_names(
     r: Recording,
     cache: dict[Any, tuple[list[str], list[tuple[str, str]]]],
@@ -728,7 +747,8 @@ def _param_names(
 
 def _replay_micro_steps(r: Recording, micros: list[_Micro]) -> None:
     """Run the root forward of every micro-step again (its RNG state, autocast and grad mode restored), record
-    its losses, and run each backward where the real step ran it (after the forward it followed)."""
+    its losses, and run each backward where the real step ran it (after the forward it followed); a loss seen
+    after its backward is recorded after the replayed backward, so the rows keep the real step's time order."""
     outputs: dict[int, Any] = {}
     for k, m in enumerate(micros):
         torch.set_rng_state(m.rng)
@@ -739,10 +759,17 @@ def _replay_micro_steps(r: Recording, micros: list[_Micro]) -> None:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
             stack.enter_context(torch.set_grad_enabled(m.grad_enabled))
             outputs[k] = r.root(*m.args, **m.kwargs)
-        for loss in m.losses:
-            r.record_loss(loss)
+        for loss, late in m.losses:
+            if not late:
+                r.record_loss(loss)
         done = [j for j, mj in enumerate(micros) if mj.backward_after == k + 1]
         _replay_backward([(outputs[j], micros[j]) for j in done])
+        for j in done:
+            for loss, late in micros[j].losses:
+                if late:
+                    r.record_loss(
+                        loss
+                    )  # seen after its backward (``tr.step(loss)`` after ``loss.backward()``)
 
 
 def _replay_backward(pairs: list[tuple[Any, _Micro]]) -> None:

@@ -4,6 +4,13 @@ on a step whose replay did not reproduce the fault (pure functions over a :class
 The sentinel's notes are in ``view.meta.options["watch"]["sentinel"]`` (saved with the trace): per flagged
 step, where it first saw a non-finite value (``phase``, ``module``, ``tensor``, ``kind``) and how the step was
 recorded. Without ``watch`` every function here returns the plain answer unchanged.
+
+A watched step records no ranges: the rules that read activation, gradient and weight ranges over steps
+(divergence; float16 gradient underflow and a divergence with no overflow yet, on a healthy run) read only the
+steps recorded in full. When watched steps lie before the diagnosed event (or, for a healthy run, anywhere),
+:func:`diagnose` says so in its evidence, with how many steps those rules could read, instead of implying that
+they were judged on every step. The facts every watched step does record (loss, loss scale, skipped, lr,
+gradient norm, ``stale_grads``) are read as under ``trace``.
 """
 
 from __future__ import annotations
@@ -12,12 +19,26 @@ import dataclasses
 from typing import Any
 
 from . import _diagnose, _explain
-from ._diagnosis import Diagnosis
+from ._diagnosis import DIVERGENCE_MIN_STEPS, Diagnosis
 from ._overflow import Overflow
 from ._schema import wanted_kinds
 from ._view import RunView
 
 __all__ = ["diagnose", "first_overflow", "unreproduced"]
+
+# causes for which the divergence rule was tried and did not hold (data is decided before it; a collapse with
+# stale gradients by the stale rule, see _unjudged)
+_AFTER_DIVERGENCE = frozenset(
+    {
+        "forward_overflow",
+        "invalid_op",
+        "loss",
+        "backward_overflow",
+        "optimizer",
+        "loss_scale_collapse",
+        "scaler_backoff",
+    }
+)
 
 _CAUSE_OF_PHASE = {
     "data": "data",
@@ -124,7 +145,56 @@ def diagnose(view: RunView) -> Diagnosis:
     if first is not None:
         ov = _replayed(view, first)
         if ov.message != first.message:
-            return dataclasses.replace(
+            result = dataclasses.replace(
                 result, overflow=ov, evidence=[*result.evidence, ov.message[len(first.message) :].strip()]
             )
-    return result
+    return _unjudged(view, result)
+
+
+def _unjudged(view: RunView, result: Diagnosis) -> Diagnosis:
+    """``result`` with what the rules reading ranges over steps could not read on watched steps, said in its
+    evidence and advice (see the module docstring); unchanged when no such step is before its event."""
+    steps = view.steps
+    if "recorded" not in steps.columns or not len(steps):
+        return result
+    ov = result.overflow
+    healthy = result.cause == "healthy"
+    if not healthy and (ov is None or result.cause not in _AFTER_DIVERGENCE):
+        return result
+    if result.cause == "loss_scale_collapse" and bool((steps["stale_grads"] > 0).any()):
+        return result  # the stale-gradient rule decided, before any divergence rule
+    before = steps if ov is None else steps[steps["step"] < ov.step]
+    watched = int((before["recorded"].astype(str) == "watch").sum())
+    if not watched:
+        return result
+    full = len(before) - watched
+    if healthy:
+        judged = (
+            f"were judged from the {full} step(s) recorded in full only"
+            if full
+            else "could not be judged: no step was recorded in full"
+        )
+        line = (
+            f"nantrace.watch recorded no activation, gradient or weight ranges on the {watched} watched step(s): "
+            "a divergence with no overflow yet (activations, loss and weights growing) and float16 gradient "
+            f"underflow (gradients flushed to zero) {judged}"
+        )
+        # the last line counts the watched steps (the healthy verdict's own caveat): this one goes before it
+        return dataclasses.replace(result, evidence=[*result.evidence[:-1], line, *result.evidence[-1:]])
+    assert ov is not None
+    read = (
+        f"judged from the {full} step(s) before it recorded in full only"
+        if full >= DIVERGENCE_MIN_STEPS
+        else "not known (only the jumps of the loss and the gradient norm, recorded on every step, were read)"
+    )
+    line = (
+        f"{watched} of the {len(before)} step(s) before step {ov.step} were only watched (nantrace.watch records "
+        f"no activation or weight ranges on them): whether activations and weights grew towards this event "
+        f"(a diverging run) is {read}"
+    )
+    advice = (
+        f"Before changing dtypes, record the steps before step {ov.step} in full (nantrace.trace(), or "
+        "nantrace.watch(..., every=1)) to see whether activations and weights grew towards it: a diverging "
+        "run needs a lower learning rate, not a wider dtype."
+    )
+    return dataclasses.replace(result, evidence=[*result.evidence, line], advice=[*result.advice, advice])

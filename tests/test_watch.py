@@ -868,3 +868,266 @@ def test_a_large_finite_gradient_is_not_counted_stale() -> None:
             opt.step()
     assert tr.steps["stale_grads"].tolist() == [0.0, 0.0]
     assert tr.steps["recorded"].tolist() == ["watch", "watch"]
+
+
+# ------------------------------------------------------------------ diagnose() under watch and under trace
+def _traces_of(name: str, make: Any, monkeypatch: pytest.MonkeyPatch) -> list[nantrace.Trace]:
+    """The traces a CASES test makes, with nantrace.trace replaced by ``make``; its own assertions hold."""
+    made: list[nantrace.Trace] = []
+
+    def capture(model: nn.Module, **kw: Any) -> nantrace.Trace:
+        tr = make(model, **kw)
+        made.append(tr)
+        return tr
+
+    with monkeypatch.context() as m:
+        m.setattr(nantrace, "trace", capture)
+        getattr(cases, name)()
+    return made
+
+
+def _as_watch(model: nn.Module, **kw: Any) -> nantrace.Trace:
+    kw.pop("every", None)
+    return nantrace.watch(model, every=None, **kw)
+
+
+# the diagnosis of each trace a CASES test makes (C04 makes two: the fully padded row, then none)
+CASE_CAUSES = {
+    "test_c01_t5_feed_forward_overflow_then_norm_nan": ["forward_overflow"],
+    "test_c02_residual_add_is_the_blocks_own_code": ["forward_overflow"],
+    "test_c03_attention_scores_overflow_inside_attention": ["forward_overflow"],
+    "test_c04_fully_masked_row_is_nan_in_attention_and_mask_never_reported": ["invalid_op", "healthy"],
+    "test_c05_log_of_zero_count_in_data_is_reported": ["data"],
+    "test_c06_backward_zero_times_inf_in_gate": ["invalid_op"],
+    "test_c06_clamp_guard_depends_on_clamp_gradient_at_its_bound": ["invalid_op"],
+    "test_c07_adam_eps_underflows_in_pure_fp16": ["optimizer"],
+    "test_c08_loss_outside_the_model_underflows_and_every_step_is_skipped": ["loss"],
+    "test_c09_shared_layer_overflows_on_third_call": ["forward_overflow"],
+    "test_c10_inplace_relu_after_linear_with_backward_hooks": ["forward_overflow"],
+    "test_c12_default_scaler_backs_off_then_trains": ["scaler_backoff"],
+    "test_c13_gradient_accumulation_nan_in_micro_batch_1_of_step_2": ["data"],
+    "test_c14_backward_grad_input_overflows_in_big_linear": ["backward_overflow"],
+}
+
+
+@pytest.mark.parametrize("name", _CASE_NAMES)
+def test_every_case_is_diagnosed_under_watch_as_under_trace(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """diagnose() of each CASES run under watch(every=None): the same cause and the same headline (who, what,
+    where) as under trace."""
+    assert sorted(CASE_CAUSES) == sorted(_CASE_NAMES)  # a new case gets its expected causes here
+    traced = _traces_of(name, nantrace.trace, monkeypatch)
+    watched = _traces_of(name, _as_watch, monkeypatch)
+    t = [tr.diagnose() for tr in traced]
+    w = [tr.diagnose() for tr in watched]
+    assert [d.cause for d in t] == [d.cause for d in w] == CASE_CAUSES[name]
+    for a, b in zip(t, w, strict=True):
+        assert _fields(a.overflow) == _fields(b.overflow)
+        if a.cause != "healthy":  # a healthy headline counts trace's update ratios: watch records none
+            assert str(a).splitlines()[0] == str(b).splitlines()[0]
+
+
+def _amp(fault: str) -> Callable[[Any], nantrace.Trace]:
+    def run(make: Any) -> nantrace.Trace:
+        model, scaler, opt, loop = _amp_loop(fault)(None)
+        with make(model, scaler=scaler, optimizer=opt) as tr:
+            loop()
+        return tr
+
+    return run
+
+
+def _zoo_bad_backward(make: Any) -> nantrace.Trace:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), BadBackward(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with make(model, optimizer=opt) as tr:
+        for _ in range(2):
+            opt.zero_grad()
+            loss = model(torch.ones(2, 4)).sum()
+            tr.step(loss=loss)
+            loss.backward()
+            opt.step()
+    return tr
+
+
+def _zoo_shared_scaler(make: Any) -> nantrace.Trace:
+    """The traced model's gradients stay finite; the optimizer also steps ``extra``, a parameter outside it
+    whose gradient is +inf at steps 1-2 (a discriminator sharing the GradScaler): the scaler skips them."""
+    torch.manual_seed(0)
+    g = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    extra = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([*g.parameters(), extra], lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    with make(g, scaler=scaler, optimizer=opt) as tr:
+        for step in range(4):
+            opt.zero_grad()
+            scaler.scale(g(torch.ones(1, 2)).sum()).backward()
+            extra.grad = torch.full((1,), math.inf if step in (1, 2) else 0.0)
+            scaler.step(opt)
+            scaler.update()
+    return tr
+
+
+def _zoo_late_loss(make: Any) -> nantrace.Trace:
+    """No scaler or optimizer; the loss reaches ``tr.step`` after ``loss.backward()``, and at step 1 it is
+    ``0 · inf``: its NaN gradient arrives at the model's outputs before the loss is seen."""
+    m = nn.Linear(4, 3)
+    with make(m) as tr:
+        for s in range(2):
+            loss = m(torch.ones(2, 4)).mean() * (0.0 * math.inf if s == 1 else 1.0)
+            loss.backward()
+            tr.step(loss=loss)
+    return tr
+
+
+ZOO_CAUSES = [
+    (_amp("data"), "data"),
+    (_amp("forward"), "forward_overflow"),
+    (_amp("loss"), "loss"),
+    (_zoo_twice, "data"),
+    (_zoo_accumulation, "backward_overflow"),
+    (_zoo_no_grad, "forward_overflow"),
+    (_zoo_optimizer, "optimizer"),
+    (lambda make: _hidden_inf_run(make, HandSigmoid()), "forward_overflow"),
+    (_zoo_bad_backward, "backward_overflow"),
+    (lambda make: _no_zero_grad(make), "loss_scale_collapse"),
+    (_zoo_shared_scaler, "scaler_backoff"),
+    (_zoo_late_loss, "loss"),
+]
+
+
+@pytest.mark.parametrize(
+    ("zoo", "cause"),
+    ZOO_CAUSES,
+    ids=[
+        "amp_data",
+        "amp_forward",
+        "amp_loss",
+        "twice",
+        "accumulation",
+        "no_grad",
+        "optimizer",
+        "hand_sigmoid",
+        "bad_backward",
+        "no_zero_grad",
+        "shared_scaler",
+        "late_loss",
+    ],
+)
+def test_every_zoo_case_is_diagnosed_under_watch_as_under_trace(zoo: Any, cause: str) -> None:
+    """The same cause, producer and headline under watch(every=None) as under trace, and the same summary (the
+    why) once the replay's own note is left aside."""
+    traced, watched = zoo(nantrace.trace), zoo(_watch_none)
+    t, w = traced.diagnose(), watched.diagnose()
+    assert t.cause == w.cause == cause
+    assert _fields(w.overflow) == _fields(t.overflow)
+    assert _fields(watched.first_overflow()) == _fields(traced.first_overflow())
+    assert str(t).splitlines()[0] == str(w).splitlines()[0]
+    assert w.summary == t.summary
+
+
+def test_a_shared_scaler_skip_is_not_called_unreproduced_under_watch() -> None:
+    """Only the GradScaler's found-inf was set while the sentinel found this model's gradients finite: the
+    replay agrees (its values are finite), so the step was reproduced and the overflow was outside the model."""
+    watched = _zoo_shared_scaler(_watch_none)
+    assert watched.steps["recorded"].tolist() == ["watch", "replay", "replay", "watch"]
+    assert watched.steps["skipped"].tolist() == [False, True, True, False]
+    assert watched.first_overflow() is None
+    assert watched.options["watch"]["sentinel"]["1"]["outside"] is True
+    d = watched.diagnose()
+    assert (d.cause, d.overflow) == ("scaler_backoff", None)
+    assert d.summary == (
+        "The GradScaler skipped 2 step(s), but this model's gradients stayed finite: the overflow came from "
+        "outside the traced model (e.g. another model sharing the GradScaler)."
+    )
+
+
+def test_a_loss_seen_after_its_backward_is_replayed_after_it() -> None:
+    """``tr.step(loss)`` after ``loss.backward()``: the replay records the loss after the backward, as the real
+    step ran, so the first non-finite value is the gradient at the model's outputs, as under trace."""
+    watched = _zoo_late_loss(_watch_none)
+    assert _fields(watched.first_overflow()) == (1, 0, "loss", "", "Linear", 0, "grad_output[0]", "nan")
+    rows = watched.records.query("step == 1 and phase == 'loss'")
+    assert rows["tensor"].tolist() == ["grad_output[0]", "loss"]
+
+
+# ------------------------------------------------------------------ what watched steps do not record, said
+def _diverging(make: Any) -> nantrace.Trace:
+    """A Linear(4→4) under float16 autocast trained by SGD with lr 2 on fixed inputs: the weights grow every
+    step until the forward overflows float16 at step 8."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=2.0)
+    with make(model, optimizer=opt) as tr:
+        for _ in range(10):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.ones(8, 4))
+            loss = F.mse_loss(out.float(), torch.zeros(8, 4))
+            tr.step(loss)
+            loss.backward()
+            opt.step()
+            if not torch.isfinite(out).all():
+                break
+    return tr
+
+
+def test_a_divergence_not_recorded_on_watched_steps_is_said_not_known() -> None:
+    """trace sees the activations and weights grow over steps 0-7 (divergence); watch records no ranges on
+    those steps, so it cannot tell: it names the same overflow and says, as evidence and advice, that whether
+    the run was diverging is not known (never "exceeded 65504" as the whole why with nothing said)."""
+    traced, watched = _diverging(nantrace.trace), _diverging(_watch_none)
+    assert traced.diagnose().cause == "divergence"
+    d = watched.diagnose()
+    assert d.cause == "forward_overflow"
+    assert (
+        _fields(d.overflow)
+        == _fields(traced.diagnose().overflow)
+        == (8, 0, "forward", "0", "Linear", 0, "output", "inf")
+    )
+    assert d.evidence[-1] == (
+        "8 of the 8 step(s) before step 8 were only watched (nantrace.watch records no activation or weight "
+        "ranges on them): whether activations and weights grew towards this event (a diverging run) is not "
+        "known (only the jumps of the loss and the gradient norm, recorded on every step, were read)"
+    )
+    assert d.advice[-1] == (
+        "Before changing dtypes, record the steps before step 8 in full (nantrace.trace(), or "
+        "nantrace.watch(..., every=1)) to see whether activations and weights grew towards it: a diverging run "
+        "needs a lower learning rate, not a wider dtype."
+    )
+
+
+def test_watch_every_1_records_every_step_and_diagnoses_the_divergence() -> None:
+    watched = _diverging(lambda m, **kw: nantrace.watch(m, every=1, **kw))
+    assert set(watched.steps["recorded"].tolist()) == {"full"}
+    assert watched.diagnose().cause == "divergence"
+
+
+def _underflowing(make: Any) -> nantrace.Trace:
+    """A float16 MLP without a GradScaler whose parameter gradients are all below float16's smallest normal."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with make(model, optimizer=opt) as tr:
+        for _ in range(2):
+            opt.zero_grad()
+            loss = model(torch.randn(4, 8).half()).float().mean() * 1e-6
+            tr.step(loss)
+            loss.backward()
+            opt.step()
+    return tr
+
+
+def test_a_healthy_verdict_under_watch_says_underflow_and_slow_divergence_were_not_judged() -> None:
+    traced, watched = _underflowing(nantrace.trace), _underflowing(_watch_none)
+    assert traced.diagnose().cause == "gradient_underflow"
+    d = watched.diagnose()
+    assert d.cause == "healthy"
+    assert d.evidence[-2] == (
+        "nantrace.watch recorded no activation, gradient or weight ranges on the 2 watched step(s): a divergence "
+        "with no overflow yet (activations, loss and weights growing) and float16 gradient underflow (gradients "
+        "flushed to zero) could not be judged: no step was recorded in full"
+    )
+    assert d.evidence[-1].startswith("2 of 2 steps were only watched")
