@@ -186,6 +186,20 @@ def _smallest_int(a: np.ndarray) -> np.ndarray:
     return a.astype(np.int64)
 
 
+def _stale_total(stale: dict[int, torch.Tensor | float | None], host: list[np.ndarray]) -> float:
+    """``steps.stale_grads``: the sum of the step's stale flags (``host``: the tensors' values as read, in
+    order; a float is a value already read, None a parameter without ``.grad``); NaN when there is none."""
+    if not stale:
+        return math.nan
+    read = iter(host)
+    return float(
+        sum(
+            float(next(read)[0]) if isinstance(f, torch.Tensor) else 0.0 if f is None else float(f)
+            for f in stale.values()
+        )
+    )
+
+
 class StepRows:
     """The rows of ``steps``, stored as one ``array('d')`` per column (8 bytes per value, so a long run's
     steps table stays small); appended and read back as dicts."""
@@ -362,17 +376,7 @@ class Store:
                 bad &= ~mask_rule(chunk, self)
                 n_nonfinite = int(bad.sum())
         growth = scalar("growth_tracker")
-        read = iter(got.get("stale", []))
-        stale = (
-            float(
-                sum(
-                    float(next(read)[0]) if isinstance(f, torch.Tensor) else 0.0 if f is None else float(f)
-                    for f in pending.stale.values()
-                )
-            )
-            if pending.stale
-            else math.nan
-        )
+        stale = _stale_total(pending.stale, got.get("stale", []))
         self.step_rows.append(
             {
                 "step": step,
