@@ -18,8 +18,9 @@ A replay re-runs a module call on copies of its inputs and buffers with autograd
 
 A call is replayed when its output first holds a kind, when a child's input does (its own code made it), or when
 the cheap recorded signals of a finite call point to a transient inf (:class:`Suspects`: more zeros out than
-in, an input beyond the square root of its dtype's max), unless an earlier replay of such a call made no
-intermediate value (:class:`Made`), without which no transient inf can exist.
+in, counting for an output that is a child's output the zeros that reached that child; an input beyond the
+square root of its dtype's max), unless an earlier replay of such a call, or of a leaf module running the same
+code (:func:`leaf_key`), made no intermediate value (:class:`Made`), without which no transient inf can exist.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ __all__ = [
     "Made",
     "Substitute",
     "Suspects",
+    "ZeroCounts",
     "call_key",
     "drill_call",
     "headroom_fraction",
@@ -58,6 +60,7 @@ __all__ = [
     "reaches_output",
     "replay_call",
     "user_line",
+    "zero_counts",
     "zero_fraction",
 ]
 
@@ -406,7 +409,19 @@ class Suspects:
     input structure), so of twelve identical dropouts one is replayed: a verdict is stored under the call's own
     key and its leaf key, a call is passed over when either holds a plain verdict and neither was ever mixed.
     Containers keep per-instance keys (their children may differ). A leaf passed over this way still had its own
-    signal at a new high (``zero_high`` and ``reach_high`` stay per module) and a finite output."""
+    signal at a new high (``zero_high`` and ``reach_high`` stay per module) and a finite output.
+
+    The zeros signal of a call whose output tensor *is* (same object, same version) the output of a call made
+    inside it counts what reached that inner call, not the output's zeros (``upstream``, kept by the recorder
+    per micro-step as statistics event ids, no tensor): the replay names an op whose output holds a kind its
+    inputs did not, and zeros made by an inner call are judged at that call, by its own signal. The walk goes
+    back from the output through each inner call to its one tensor input while that input is itself such an
+    output (a Sequential of Linear, ReLU, Dropout reaches its own input: no signal), and stops at a value the
+    call's own code made (``h · rsqrt(sum(h²))`` before a Dropout: its zeros are the signal) or at its input. An
+    inner call with several tensor inputs, one that changed its input in place, one not recorded or one whose
+    output was not finite ends the walk at its output (its own zeros count, as without the rule): counted over
+    several inputs, zeros made upstream would be diluted by the other inputs' elements. The absmax signal is
+    unchanged."""
 
     def __init__(self) -> None:
         self.zero_high: dict[int, float] = {}  # per module: the largest fraction of zeros its outputs held
@@ -420,9 +435,12 @@ class Suspects:
         ins: list[tuple[str, Any]],
         output: Any,
         stats_of: Callable[[Any], Any],
+        upstream: Callable[[torch.Tensor], ZeroCounts | None] | None = None,
     ) -> bool:
-        """True when a signal is at a new high for module ``mcode`` (``stats_of(t)``: a tensor's host stats)."""
-        out = zero_fraction(list(flatten(output, "o")), stats_of)
+        """True when a signal is at a new high for module ``mcode`` (``stats_of(t)``: a tensor's host stats).
+        ``upstream(t)``: for an output tensor that is, unchanged, a child call's output, the zero counts of what
+        reached that child, which the zeros signal counts in place of the output's own (None: its own)."""
+        out = zero_fraction(list(flatten(output, "o")), stats_of, upstream)
         zin = zero_fraction(ins, stats_of)
         zeros_high = self.zero_high.get(mcode, 0.0)
         hit = out is not None and zin is not None and out > zin and out > zeros_high
@@ -645,14 +663,36 @@ def leaf_key(module: torch.nn.Module, args: Any, kwargs: Any) -> tuple[Any, ...]
     return key
 
 
-def zero_fraction(items: list[tuple[str, Any]], stats_of: Callable[[Any], Any]) -> float | None:
-    """The fraction of zero elements over the describable tensors of ``items``, from their host statistics
-    (``stats_of(t)``: a tuple whose index 7 is ``n_zero``, or None when not recorded); None when any is missing."""
+ZeroCounts = tuple[int, int]  # (zero elements, elements) over some tensors
+
+
+def zero_counts(
+    items: list[tuple[str, Any]],
+    stats_of: Callable[[Any], Any],
+    upstream: Callable[[torch.Tensor], ZeroCounts | None] | None = None,
+) -> ZeroCounts | None:
+    """``(zeros, elements)`` over the describable tensors of ``items``, from their host statistics (``stats_of(t)``:
+    a tuple whose index 7 is ``n_zero``, or None when not recorded); None when any is missing. ``upstream(t)``,
+    when given and not None for a tensor, replaces that tensor's own counts (:meth:`Suspects.check`)."""
     stats = _host_stats(items, stats_of)
     if stats is None:
         return None
     zeros = total = 0
     for t, s in stats:
-        zeros += int(s[7])
-        total += t.numel()
-    return zeros / total if total else None
+        counts = upstream(t) if upstream is not None else None
+        if counts is None:
+            counts = (int(s[7]), t.numel())
+        zeros += counts[0]
+        total += counts[1]
+    return zeros, total
+
+
+def zero_fraction(
+    items: list[tuple[str, Any]],
+    stats_of: Callable[[Any], Any],
+    upstream: Callable[[torch.Tensor], ZeroCounts | None] | None = None,
+) -> float | None:
+    """The fraction of zero elements over the describable tensors of ``items`` (:func:`zero_counts`); None when
+    a statistic is missing or there is no element."""
+    counts = zero_counts(items, stats_of, upstream)
+    return counts[0] / counts[1] if counts is not None and counts[1] else None

@@ -29,9 +29,11 @@ from ._drill import (
     FirstNonfinite,
     Made,
     Suspects,
+    ZeroCounts,
     call_key,
     drill_call,
     leaf_key,
+    zero_counts,
 )
 from ._naming import positional_names
 from ._schema import PHASE_CODE
@@ -43,6 +45,9 @@ __all__ = ["CAST_OP", "FirstNonfinite", "Recorder", "eager", "in_backward", "kin
 
 _KIND_COLS = ((4, "nan"), (5, "posinf"), (6, "neginf"))
 _CLEAN: frozenset[str] = frozenset()
+# per output tensor's statistics event (_note_reached): the open calls around its maker, the event of the maker's
+# one tensor input and that input's zero counts (None, None: a maker the walk cannot see through)
+Reached = tuple[tuple[tuple[int, int], ...], int | None, ZeroCounts | None]
 
 
 def kinds_of_stats(stats: Any) -> frozenset[str] | None:
@@ -97,6 +102,8 @@ class Recorder:
         # the modules whose calls are recorded (their outputs are boundaries the drill-down can vouch for)
         self.recorded: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self.covered: set[tuple[int, int]] = set()  # open calls around a call that named a transient value
+        # output tensor's event id -> Reached, for the finite calls checked in the micro-step (_note_reached)
+        self.reached: dict[int, Reached] = {}
         self.sync_free = sync_free
         self.phases = record_phases
         self.active = False
@@ -227,6 +234,7 @@ class Recorder:
         self.seen_kinds.clear()
         self.own_code.clear()
         self.covered.clear()
+        self.reached.clear()
 
     def end_step(self, mask_rule: Any) -> None:
         """Close the open step: one host copy, a ``steps`` row, and drop this step's tensor hooks."""
@@ -235,6 +243,7 @@ class Recorder:
         self.tensor_handles.clear()
         self.grad_targets.clear()
         self.cache.clear()
+        self.reached.clear()
         self.store.flush(self.step, self.pending, mask_rule)
         self.pending = PendingStep()
         self.step += 1
@@ -486,7 +495,12 @@ def _finite_call(
     (:meth:`nantrace._drill.Suspects.skips`)."""
     mcode, call = at
     cached = functools.partial(_cached, rec.cache)
-    if not (rec.suspects.check(mcode, ins, out, cached) and _same(ins, versions)):
+    upstream = functools.partial(_upstream, rec.reached, rec.cache, at)
+    unchanged = _same(ins, versions)
+    suspect = rec.suspects.check(mcode, ins, out, cached, upstream) and unchanged
+    if rec.stack:
+        _note_reached(rec.reached, rec.cache, out, ins if unchanged else [], tuple(k[:2] for k in rec.stack))
+    if not suspect:
         return
     key, leaf = call_key(mcode, module, args, kwargs), leaf_key(module, args, kwargs)
     # no child output recorded in the micro-step held a kind beyond the call's inputs', none was dropped
@@ -535,6 +549,59 @@ def _cached(cache: dict[int, Any], t: torch.Tensor) -> Any:
     """The statistics the step computed for ``t`` while unchanged (the Recorder's cache), or None."""
     hit = cache.get(id(t))
     return hit[2] if hit is not None and hit[0]() is t and hit[1] == _version(t) else None
+
+
+def _upstream(
+    reached: dict[int, Reached], cache: dict[int, Any], call: tuple[int, int], t: torch.Tensor
+) -> ZeroCounts | None:
+    """For an output tensor ``t`` of ``call`` that is, unchanged, the output of a call made inside ``call``
+    (:func:`_note_reached`): walk back through such calls, each to its one tensor input, while that input is
+    itself the output of such a call, and return the zero counts of the value reached (the zeros that reached
+    the chain: made by ``call``'s own code or in its inputs). None (the output's own zeros count, as without
+    the walk) when ``t`` is no such output or the walk meets a call it cannot see through."""
+    event = _event(cache, t)
+    counts = None
+    while event is not None:
+        hit = reached.get(event)
+        if hit is None or call not in hit[0]:  # a value no call inside ``call`` made: the walk ends
+            break
+        if hit[1] is None or hit[1] >= event:  # an opaque inner call (events only go back)
+            return None
+        event, counts = hit[1], hit[2]
+    return counts
+
+
+def _note_reached(
+    reached: dict[int, Reached],
+    cache: dict[int, Any],
+    output: Any,
+    ins: list[tuple[str, Any]],
+    around: tuple[tuple[int, int], ...],
+) -> None:
+    """Note, for each output tensor of a finite call, the calls ``around`` it and, when the call has exactly one
+    tensor input (``ins``; empty when the call changed an input in place), that input with its zero counts, by
+    the event ids of their statistics, so nothing is kept alive and the walk of :func:`_upstream` can pass
+    through tensors freed since. Otherwise the call is opaque to the walk: counted over several inputs, zeros
+    made upstream would be diluted by the other inputs' elements."""
+    tensors = [t for _, t in ins if describable(t)]
+    before = _event(cache, tensors[0]) if len(tensors) == 1 else None
+    counts = (
+        zero_counts([("input", tensors[0])], functools.partial(_cached, cache))
+        if before is not None
+        else None
+    )
+    if counts is None:
+        before = None
+    for _, t in flatten_list(output, "o"):
+        event = _event(cache, t) if describable(t) else None
+        if event is not None and event != before:
+            reached[event] = (around, before, counts)
+
+
+def _event(cache: dict[int, Any], t: torch.Tensor) -> int | None:
+    """The event id of the statistics the step computed for ``t`` while unchanged (the Recorder's cache)."""
+    hit = cache.get(id(t))
+    return hit[3] if hit is not None and hit[0]() is t and hit[1] == _version(t) else None
 
 
 def _same(items: list[tuple[str, torch.Tensor]], versions: tuple[int, ...]) -> bool:

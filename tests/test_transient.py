@@ -315,12 +315,13 @@ def test_a_healthy_model_is_never_replayed_and_gets_no_extra_rows(monkeypatch: p
 
 
 def test_relu_zeros_cost_one_replay_per_new_high_and_name_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ReLU's zeros are the zeros signal (more zeros out than in) at its first call, and so are the root's
-    (its output is the ReLU's): each is replayed once, at step 0; the same zero fraction at steps 1 and 2
-    (lr 0: the same weights, so the same zeros) is no new high. The replays find no inf, so nothing is
-    reported and the records are those of ``drill=False``."""
+    """A ReLU's zeros are the zeros signal (more zeros out than in) at its first call: replayed once, at step 0;
+    the same zero fraction at steps 1 and 2 (lr 0: the same weights, so the same zeros) is no new high. The
+    root's output is the ReLU's output, so the root's zeros signal counts what reached the ReLU (a Linear's
+    output, no zero): the root is not replayed. The replay finds no inf, so nothing is reported and the records
+    are those of ``drill=False``."""
     calls, on, off = _healthy(monkeypatch, nn.ReLU(), lr=0.0)
-    assert calls == ["ReLU", "Sequential"] and len(on.ops) == 0 and on.first_overflow() is None
+    assert calls == ["ReLU"] and len(on.ops) == 0 and on.first_overflow() is None
     pd.testing.assert_frame_equal(on.records[_COLS], off.records[_COLS])
 
 
@@ -425,8 +426,8 @@ _RISING = [_negatives(2, 2), _negatives(2, 4), _negatives(2, 6), _negatives(2, 8
 
 
 class OwnOp(nn.Module):
-    """A container whose own code makes values between its children that no child receives (``h²``, its mean,
-    the ``rsqrt``: only their product goes into the ReLU)."""
+    """A container whose own code makes values that no child receives or returns (``h²``, its mean, the
+    ``rsqrt``), and its output, the product of the ReLU's zeros and the ``rsqrt``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -434,15 +435,29 @@ class OwnOp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
-        return self.relu(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True)))
+        return self.relu(h) * torch.rsqrt(h.pow(2).mean(-1, keepdim=True))
+
+
+class Doubled(nn.Module):
+    """``fc(relu(x) + relu(x))``: the block's own sum, holding the ReLU's zeros, is only the Linear's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.relu = _eye(), nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.relu(x)
+        return self.fc(h + h)
 
 
 def test_a_container_of_single_op_children_is_replayed_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sequential(Linear, ReLU): every value made in its call is a child's output (recorded, finite), so after
-    its first replay its new highs (steps 1-3, like the ReLU's) are passed over."""
+    """``fc(relu(x) + relu(x))``: the block's own sum, holding the ReLU's zeros, is the Linear's input, and the
+    Linear's output is the block's, so the block's zeros signal counts the sum's zeros (made by its own code).
+    Every value made in its call is a child's output or input (recorded, finite), so after its first replay its
+    new highs (steps 1-3, like the ReLU's) are passed over."""
     replays, skipped = _count_replays(monkeypatch)
-    tr = _steps(Leaf(nn.Sequential(_eye(), nn.ReLU())), _RISING)
-    assert replays == [("ReLU", 0), ("Sequential", 0)]
+    tr = _steps(Leaf(Doubled()), _RISING)
+    assert replays == [("ReLU", 0), ("Doubled", 0)]
     assert skipped == [False, False, True, True, True, True, True, True]
     assert len(tr.ops) == 0
 
@@ -459,12 +474,12 @@ def test_a_container_whose_own_code_makes_a_value_is_replayed_at_every_new_high(
 
 
 class MaskThenSeq(nn.Module):
-    """A sibling makes -inf (``masked_fill``) before a Sequential(Linear, ReLU) runs on a finite tensor."""
+    """A sibling makes -inf (``masked_fill``) before a :class:`Doubled` block runs on a finite tensor."""
 
     def __init__(self) -> None:
         super().__init__()
         self.mask = Masker()
-        self.seq = nn.Sequential(_eye(), nn.ReLU())
+        self.seq = Doubled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mask = self.mask(x)
@@ -479,17 +494,17 @@ class Masker(nn.Module):
 def test_a_container_is_replayed_when_a_kind_was_recorded_in_the_micro_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """-inf was recorded (the Masker's output) and is not among the Sequential's input kinds: a child's output
-    could hold a kind its replay would call new, so the Sequential is replayed at each new high (steps 0-3)
+    """-inf was recorded (the Masker's output) and is not among the block's input kinds: a child's output
+    could hold a kind its replay would call new, so the block is replayed at each new high (steps 0-3)
     while its single-op ReLU (whose values are its own output, recorded finite) is replayed once."""
     replays, _ = _count_replays(monkeypatch)
     _steps(MaskThenSeq(), _RISING)
-    assert [r for r in replays if r[0] in ("ReLU", "Sequential")] == [
+    assert [r for r in replays if r[0] in ("ReLU", "Doubled")] == [
         ("ReLU", 0),
-        ("Sequential", 0),
-        ("Sequential", 1),
-        ("Sequential", 2),
-        ("Sequential", 3),
+        ("Doubled", 0),
+        ("Doubled", 1),
+        ("Doubled", 2),
+        ("Doubled", 3),
     ]
 
 
@@ -640,20 +655,21 @@ def test_nothing_is_passed_over_under_cpu_autocast() -> None:
 def test_a_container_whose_child_is_not_recorded_is_replayed_at_every_new_high(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With ``modules=`` leaving the Sequential's Linear out, its output is no recorded boundary: the
-    Sequential's replay counts it as an intermediate, so the Sequential is replayed at each new high (0-3)."""
+    """With ``modules=`` leaving the block's Linear out, its output is no recorded boundary: the block's replay
+    counts it as an intermediate, so the block is replayed at each new high (0-3) (its zeros signal counts its
+    output's own zeros: the Linear, not recorded, says nothing of what reached it)."""
     replays, _ = _count_replays(monkeypatch)
-    m = Leaf(nn.Sequential(_eye(), nn.ReLU()))
-    with nantrace.trace(m, modules=["inner", "inner.1"]) as tr:
+    m = Leaf(Doubled())
+    with nantrace.trace(m, modules=["inner", "inner.relu"]) as tr:
         for x in _RISING:
             m(x).sum().backward()
             tr.step()
     assert replays == [
         ("ReLU", 0),
-        ("Sequential", 0),
-        ("Sequential", 1),
-        ("Sequential", 2),
-        ("Sequential", 3),
+        ("Doubled", 0),
+        ("Doubled", 1),
+        ("Doubled", 2),
+        ("Doubled", 3),
     ]
 
 
@@ -666,38 +682,13 @@ def test_only_recorded_children_are_boundaries() -> None:
     assert (made.plain, made.intermediate) == (None, True)
 
 
-def test_a_residual_block_whose_sum_goes_into_a_child_is_replayed_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``relu(fc(x) + x)``: the block's own sum is the ReLU's input, a recorded value; nothing was recorded
-    non-finite in the micro-step, so after the first replay the block's new highs are passed over."""
+def test_a_residual_block_whose_output_is_its_relus_is_not_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``relu(fc(x) + x)``: the block's output is its ReLU's, and what reached the ReLU (the sum, ±2) holds no
+    zero, so the block's zeros signal never fires; the ReLU's zeros are judged at the ReLU (replayed once)."""
     replays, skipped = _count_replays(monkeypatch)
     _steps(Leaf(Residual()), _RISING)
-    assert replays == [("ReLU", 0), ("Residual", 0)]
-    assert skipped == [False, False, True, True, True, True, True, True]
-
-
-@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
-def test_the_replay_names_the_op_under_inference_mode_too(mode: Any) -> None:
-    """Inference tensors have no version counter: the pass-over bookkeeping (``Made``) must not stop the replay
-    (it used to raise inside it, and the drill-down named nothing under ``torch.inference_mode``)."""
-
-    class Gate(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.relu((x * 0) * float("inf"))  # 0·inf: NaN
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin, self.gate = nn.Linear(4, 4), Gate()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.gate(self.lin(x))
-
-    m = Net()
-    with nantrace.trace(m) as tr, mode():
-        m(torch.ones(2, 4))
-    assert tr.ops[["module", "op", "kind"]].values.tolist() == [["gate", "mul", "nan"]]
+    assert replays == [("ReLU", 0)]
+    assert skipped == [False, True, True, True]
 
 
 # ------------------------------------------------------------------ leaf modules that run the same code share
@@ -851,3 +842,167 @@ def test_a_shared_verdict_is_learned_for_both_keys_and_mixed_wins() -> None:
     assert s.skips(("b",), out, stats, True, ("leaf",)) is False
     assert s.skips(("a",), out, stats, True, ("leaf",)) is False
     assert s.skips(("a",), out, stats, True) is True
+
+
+# ------------------------------------------------------------------ a container's output that is a child's output
+
+
+class Tail(nn.Module):
+    """``dropout(fc(x) · 2)``: the container's own product holds no zero; its output is the Dropout's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop = _eye(), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc(x) * 2.0)
+
+
+class Pass(nn.Module):
+    """A container returning its child's output as it is."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["container", "container_of_container"])
+def test_a_container_whose_output_is_its_dropouts_is_not_replayed(
+    monkeypatch: pytest.MonkeyPatch, nested: bool
+) -> None:
+    """The Dropout's zeros are judged at the Dropout (replayed once); the container's zeros signal counts what
+    reached the Dropout (the product, no zero), so it never fires, nor for a container returning that
+    container's output (what reached the Dropout is passed up)."""
+    replays, skipped = _count_replays(monkeypatch)
+    torch.manual_seed(0)
+    tr = _steps(Leaf(Pass(Tail()) if nested else Tail()), _positive())
+    assert replays == [("Dropout", 0)]
+    assert skipped[0] is False and all(skipped[1:])
+    assert len(tr.ops) == 0
+
+
+class NormThenDrop(nn.Module):
+    """``dropout(h · rsqrt(sum(h²)))``, no float32 upcast: a row of 100s makes sum(h²) = 80000 > 65504, so the
+    sum is inf and ``rsqrt(inf) = 0`` turns the row into zeros before the Dropout (100 is below sqrt(65504):
+    no input is beyond the headroom signal's bound, only the zeros signal can see it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop = _eye(), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.drop(h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True)))
+
+
+def test_zeros_made_before_the_child_still_replay_the_container_and_name_the_op(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The container's own zeros (row 0, from ``rsqrt(inf)``) reach its Dropout's input: its zeros signal fires
+    and its replay names `sum` at its line, kind inf, reaching the output, as without the rule."""
+    replays, _ = _count_replays(monkeypatch)
+    torch.manual_seed(0)
+    m = Leaf(NormThenDrop()).half()
+    x = _full(100.0)
+    x[1] = 1.0
+    with nantrace.trace(m) as tr:
+        m(x).float().sum().backward()
+    assert replays == [("Dropout", 0), ("NormThenDrop", 0)]
+    assert _ops(tr) == [["inner", 0, "sum", "posinf", _line(NormThenDrop, 2), True]]
+    assert _where(tr.first_overflow()) == (0, "forward", "inner", 0, "output", "inf")
+
+
+class Prod(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * b
+
+
+class TwoIn(nn.Module):
+    """``prod(x · rsqrt(sum(x²)), |x| + 1)``, no float32 upcast: row 0 of 100s becomes zeros (sum 80000 > 65504,
+    ``rsqrt(inf) = 0``) before the two-input child ``prod``, whose second input holds no zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prod = Prod()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True))
+        return self.prod(a, x.abs() + 1.0)
+
+
+def test_a_child_with_two_inputs_passes_up_no_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows 1-2 hold 4 zeros of 8 (the container's input: 8 zeros of 24); row 0's transient zeros make the
+    product's first input 16 of 24 zeros. Counted over both of the child's inputs that is 16 of 48, no more
+    than the container's input, which would hide the transient; so a child with several tensor inputs passes
+    nothing up and the container counts its output's own zeros (16 of 24): replayed, `sum` named."""
+    replays, _ = _count_replays(monkeypatch)
+    x = torch.zeros(3, 8, dtype=torch.float16)
+    x[0] = 100.0
+    x[1:, 4:] = 1.0
+    m = Leaf(TwoIn()).half()
+    with nantrace.trace(m) as tr:
+        m(x).float().sum().backward()
+    assert replays == [("Prod", 0), ("TwoIn", 0)]
+    assert _ops(tr) == [["inner", 0, "sum", "posinf", _line(TwoIn, 1), True]]
+
+
+@pytest.mark.parametrize(
+    ("inner", "children"),
+    [
+        (lambda: nn.Sequential(nn.ReLU(), _eye()), [("ReLU", 0)]),
+        (lambda: nn.Sequential(_eye(), nn.ReLU(), nn.Dropout(0.5)), [("ReLU", 0), ("Dropout", 0)]),
+    ],
+    ids=["relu_linear", "linear_relu_dropout"],
+)
+def test_zeros_made_by_a_sibling_child_do_not_replay_the_container(
+    monkeypatch: pytest.MonkeyPatch, inner: Callable[[], nn.Module], children: list[tuple[str, int]]
+) -> None:
+    """The walk back from the output goes through each child to its one input while that input is another
+    child's output: the ReLU's zeros reach the Linear (or the Dropout) but were made by the ReLU, judged at the
+    ReLU; what reached the first child is the Sequential's own input (no zero), so the Sequential is not
+    replayed."""
+    replays, _ = _count_replays(monkeypatch)
+    torch.manual_seed(0)
+    _steps(Leaf(inner()), _RISING)
+    assert replays == children
+
+
+def _shifted() -> nn.Linear:
+    """An identity Linear with bias 0.5: no zero in its output for inputs of 0 and 1."""
+    fc = _eye()
+    with torch.no_grad():
+        fc.bias.fill_(0.5)
+    return fc
+
+
+@pytest.mark.parametrize(
+    ("inner", "expected", "passed"),
+    [
+        (
+            lambda: nn.Sequential(_eye(), nn.ReLU(inplace=True)),
+            [("Sequential", 0)],
+            [False, True, True, True],
+        ),
+        (lambda: nn.Sequential(_eye(), nn.ReLU(inplace=True), _shifted()), [], []),
+    ],
+    ids=["inplace_last", "inplace_then_shift"],
+)
+def test_an_in_place_child_ends_the_walk_and_the_container_counts_its_own_zeros(
+    monkeypatch: pytest.MonkeyPatch,
+    inner: Callable[[], nn.Module],
+    expected: list[tuple[str, int]],
+    passed: list[bool],
+) -> None:
+    """A ReLU(inplace=True) changed its input in place, so what reached it is no longer recorded: the walk
+    cannot see through it and the Sequential's zeros signal counts its output's own zeros, as without the
+    walk. Last in the Sequential, its zeros are the output's: replayed at step 0, the later new highs passed
+    over (its values are children's outputs); followed by a Linear adding 0.5, the output holds no zero and
+    nothing is replayed (the ReLU's zeros are not taken for the container's). The in-place ReLU itself is not
+    replayed (a replay of a call that changed its input is not faithful)."""
+    replays, skipped = _count_replays(monkeypatch)
+    _steps(Leaf(inner()), _RISING)
+    assert replays == expected
+    assert skipped == passed
