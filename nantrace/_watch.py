@@ -9,7 +9,7 @@ tensors: one ``torch.aminmax`` per input and output tensor, per loss and per out
 into the minimum and maximum, ±inf is the extreme, and a large finite value cannot overflow it), one fused
 ``torch._foreach_norm`` over the gradients before ``optimizer.step()`` (beside the GradScaler's found-inf) and
 one over the parameters after it; at the first gradient of a step's backward, the number of parameters whose
-``.grad`` already holds inf/NaN (``steps.stale_grads``: one fused largest-``|g|`` over the ``.grad`` tensors that
+``.grad`` already holds inf/NaN (``steps.stale_grads``: one fused float64 L2 norm over the ``.grad`` tensors that
 exist then, none when the loop resets them to None). The flags are read once before ``optimizer.step()`` (where
 the GradScaler reads its found-inf) and the parameter flag once at the step boundary, never inside a hook; each
 read carries the tensors the step's ``steps`` row holds by then (loss, gradient norm, lr), whose values replace
@@ -118,25 +118,22 @@ def _extremes(items: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.T
     return paths, torch.stack([e.to(device=device, dtype=wide) for e in ends])
 
 
-def _norms(tensors: list[torch.Tensor], plain: bool = False, order: float = 2.0) -> torch.Tensor:
-    """Per-tensor norms (L2, or ``order=math.inf``: the largest ``|x|``), fused (``torch._foreach_norm``),
-    accumulated in float32 (float64 tensors in float64, which cannot be narrowed), on the first tensor's device.
-    ``plain``: the caller knows that no tensor is float64 and all are on one device (one fused call and one
-    stack, no per-tensor work)."""
+def _norms(tensors: list[torch.Tensor], plain: bool = False) -> torch.Tensor:
+    """Per-tensor L2 norms, fused (``torch._foreach_norm``), accumulated in float32 (float64 tensors in
+    float64, which cannot be narrowed), on the first tensor's device. ``plain``: the caller knows that no
+    tensor is float64 and all are on one device (one fused call and one stack, no per-tensor work)."""
     if plain:
-        return torch.stack(torch._foreach_norm(tensors, order, dtype=torch.float32))
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
     wide = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]
     if not wide:
-        norms = torch._foreach_norm(tensors, order, dtype=torch.float32)
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
         return torch.stack([n.to(norms[0].device) for n in norms])
     narrow = [i for i in range(len(tensors)) if i not in set(wide)]
-    got = dict(zip(wide, torch._foreach_norm([tensors[i] for i in wide], order), strict=True))
+    got = dict(zip(wide, torch._foreach_norm([tensors[i] for i in wide], 2), strict=True))
     if narrow:
         got.update(
             zip(
-                narrow,
-                torch._foreach_norm([tensors[i] for i in narrow], order, dtype=torch.float32),
-                strict=True,
+                narrow, torch._foreach_norm([tensors[i] for i in narrow], 2, dtype=torch.float32), strict=True
             )
         )
     device = tensors[0].device
@@ -696,15 +693,20 @@ def _note_of(bad: tuple[_Flag, int, float], step: int, root_type: str) -> dict[s
 def _count_stale(ps: _Params) -> torch.Tensor | float:
     """How many parameters' ``.grad`` hold inf/NaN now, at the first gradient of a step's backward (it arrives at
     the model's outputs before any parameter's gradient of that backward is accumulated): a loop that never
-    resets them keeps an earlier step's overflow there (``steps.stale_grads``). One fused largest-``|g|`` per
-    existing ``.grad`` (exact: finite for any finite tensor, NaN propagates), counted on the device, read with
-    the step's flags; nothing is kept of the gradients. 0.0 when no ``.grad`` exists (reset to None)."""
+    resets them keeps an earlier step's overflow there (``steps.stale_grads``). One fused L2 norm per existing
+    ``.grad``, accumulated in float64: inf/NaN propagate into it, and no finite float16, bfloat16 or float32
+    tensor can overflow it (a float32 L2 norm overflows from elements near 1e19; a float64 ``.grad`` would need
+    elements above 1e154). Fused L2 rather than the largest ``|g|``: CPU's fused ord=inf is 16x slower (3.9 ms
+    against 0.24 ms in float32 and 2.2 ms in float64, model a's 3.2 M gradient elements). Counted on the device,
+    read with the step's flags; nothing is kept of the gradients. 0.0 when no ``.grad`` exists (reset to None)."""
     _, grads = ps.grads()
     if not grads:
         return 0.0
     with torch.no_grad():
-        peaks = _norms(grads, ps.plain, math.inf)
-        return torch.logical_not(torch.isfinite(peaks)).sum().float()
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+        device = norms[0].device
+        wide = torch.stack(norms if ps.plain else [n.to(device) for n in norms])
+        return torch.logical_not(torch.isfinite(wide)).sum().float()
 
 
 def _explained(note: dict[str, Any] | None, stale: float) -> bool:

@@ -813,7 +813,7 @@ def test_stale_gradients_are_recorded_on_watched_steps_and_diagnosed_as_under_tr
 @pytest.mark.parametrize("zero_grad", [True, False])
 def test_a_loop_that_resets_its_gradients_has_no_stale_gradients_under_watch(zero_grad: bool) -> None:
     """zero_grad() (``.grad`` None: nothing to check) and zero_grad(set_to_none=False) (zeros: one fused
-    largest-|g| over them, read with the step's flags): 0 stale gradients on every step, as under trace, and the
+    float64 L2 norm over them, read with the step's flags): 0 stale gradients on every step, as under trace, and the
     step-0 overflow is a benign backoff."""
     traced = _no_zero_grad(nantrace.trace, zero_grad=zero_grad)
     watched = _no_zero_grad(_watch_none, zero_grad=zero_grad)
@@ -855,8 +855,8 @@ def test_the_stale_count_costs_no_host_copy_and_no_read_inside_a_hook(
 
 
 def test_a_large_finite_gradient_is_not_counted_stale() -> None:
-    """A float32 ``.grad`` of 3e38 whose L2 norm overflows float32: the largest |g| is finite, so it is no
-    stale gradient (an L2 norm would have called it inf)."""
+    """A float32 ``.grad`` of 3e38 whose L2 norm overflows float32: accumulated in float64 the norm is finite,
+    so it is no stale gradient (a float32 norm would have called it inf)."""
     model = nn.Linear(2, 1, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with nantrace.watch(model, optimizer=opt, every=None) as tr:
