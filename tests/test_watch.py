@@ -870,6 +870,25 @@ def test_a_large_finite_gradient_is_not_counted_stale() -> None:
     assert tr.steps["recorded"].tolist() == ["watch", "watch"]
 
 
+@pytest.mark.parametrize(("value", "stale"), [(1e200, 0.0), (math.inf, 1.0)])
+def test_a_float64_gradient_is_counted_stale_only_when_it_holds_inf_or_nan(
+    value: float, stale: float
+) -> None:
+    """A float64 ``.grad`` of 1e200, beside a float32 one: its L2 norm would overflow float64, its largest |g|
+    does not, so it is no stale gradient; an inf there is one."""
+    model = nn.Sequential(nn.Linear(2, 1, bias=False).double(), nn.Linear(1, 1, bias=False))
+    model[1].forward = lambda x: torch.nn.functional.linear(x.float(), model[1].weight)  # type: ignore[method-assign]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nantrace.watch(model, optimizer=opt, every=None) as tr:
+        model[0].weight.grad = torch.full((1, 2), value, dtype=torch.float64)
+        model[1].weight.grad = torch.zeros(1, 1)
+        loss = (model(torch.ones(1, 2, dtype=torch.float64)) * 0.0).sum()
+        tr.step(loss=loss)
+        loss.backward()
+        opt.step()
+    assert tr.steps["stale_grads"].tolist() == [stale]
+
+
 # ------------------------------------------------------------------ diagnose() under watch and under trace
 def _traces_of(name: str, make: Any, monkeypatch: pytest.MonkeyPatch) -> list[nantrace.Trace]:
     """The traces a CASES test makes, with nantrace.trace replaced by ``make``; its own assertions hold."""
