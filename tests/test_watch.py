@@ -701,22 +701,8 @@ def test_a_hidden_inf_that_stays_hidden_is_seen_only_on_full_steps() -> None:
 def test_a_backward_fault_in_a_custom_autograd_function_is_replayed_and_named_as_trace_names_it() -> None:
     """InfGrad's backward multiplies finite incoming gradients by inf: the backward of its module produced it.
     Under watch(every=None) no step is recorded unless the gradient check flags it."""
-
-    def run(make: Any) -> nantrace.Trace:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, 4), BadBackward(), nn.Linear(4, 1))
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        with make(model, optimizer=opt) as tr:
-            for _ in range(2):
-                opt.zero_grad()
-                loss = model(torch.ones(2, 4)).sum()
-                tr.step(loss=loss)
-                loss.backward()
-                opt.step()
-        return tr
-
-    traced = run(nantrace.trace)
-    watched = run(lambda m, **kw: nantrace.watch(m, every=None, **kw))
+    traced = _zoo_bad_backward(nantrace.trace)
+    watched = _zoo_bad_backward(lambda m, **kw: nantrace.watch(m, every=None, **kw))
     expected = (0, 0, "backward", "1", "BadBackward", 0, "grad_input[0]", "inf")
     assert _fields(traced.first_overflow()) == _fields(watched.first_overflow()) == expected
     assert watched.steps["recorded"].tolist() == ["replay", "replay"]
