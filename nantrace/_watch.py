@@ -696,9 +696,10 @@ def _count_stale(ps: _Params) -> torch.Tensor | float:
     resets them keeps an earlier step's overflow there (``steps.stale_grads``). One fused L2 norm per existing
     ``.grad``, accumulated in float64: inf/NaN propagate into it, and no finite float16, bfloat16 or float32
     tensor can overflow it (a float32 L2 norm overflows from elements near 1e19); a float64 ``.grad``, whose own
-    L2 norm could overflow, gets its largest ``|g|``. Fused L2 rather than the largest ``|g|``: CPU's fused ord=inf is 16x slower (3.9 ms
-    against 0.24 ms in float32 and 2.2 ms in float64, model a's 3.2 M gradient elements). Counted on the device,
-    read with the step's flags; nothing is kept of the gradients. 0.0 when no ``.grad`` exists (reset to None)."""
+    L2 norm could overflow, gets its largest ``|g|``. Fused L2 rather than the largest ``|g|``: CPU's fused
+    ord=inf is 16x slower (3.9 ms against 0.24 ms in float32 and 2.2 ms in float64, model a's 3.2 M gradient
+    elements). Counted on the device, read with the step's flags; nothing is kept of the gradients. 0.0 when no
+    ``.grad`` exists (reset to None)."""
     _, grads = ps.grads()
     if not grads:
         return 0.0
