@@ -915,22 +915,39 @@ CASE_CAUSES = {
 }
 
 
+def _expected_causes(name: str) -> tuple[list[str], list[str]]:
+    """The causes diagnose() gives for a CASES test's traces: (under trace, under watch(every=None)). Where this
+    torch's clamp sends 0 at its bound, C06's clamped run holds nothing non-finite: trace's full rows show the
+    gate's flushed float16 gradients (gradient_underflow, all of proj's gradient elements 0), while watch records
+    no ranges on watched steps and says healthy with that caveat."""
+    if name == "test_c06_clamp_guard_depends_on_clamp_gradient_at_its_bound" and not (
+        cases._clamp_passes_the_gradient_at_its_bound()
+    ):
+        return ["gradient_underflow"], ["healthy"]
+    return CASE_CAUSES[name], CASE_CAUSES[name]
+
+
 @pytest.mark.parametrize("name", _CASE_NAMES)
 def test_every_case_is_diagnosed_under_watch_as_under_trace(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """diagnose() of each CASES run under watch(every=None): the same cause and the same headline (who, what,
-    where) as under trace."""
+    where) as under trace, except where nothing is non-finite and only trace's full rows show a fault
+    (:func:`_expected_causes`)."""
     assert sorted(CASE_CAUSES) == sorted(_CASE_NAMES)  # a new case gets its expected causes here
     traced = _traces_of(name, nantrace.trace, monkeypatch)
     watched = _traces_of(name, _as_watch, monkeypatch)
     t = [tr.diagnose() for tr in traced]
     w = [tr.diagnose() for tr in watched]
-    assert [d.cause for d in t] == [d.cause for d in w] == CASE_CAUSES[name]
+    assert ([d.cause for d in t], [d.cause for d in w]) == _expected_causes(name)
     for a, b in zip(t, w, strict=True):
         assert _fields(a.overflow) == _fields(b.overflow)
-        if a.cause != "healthy":  # a healthy headline counts trace's update ratios: watch records none
+        if (
+            a.cause == b.cause != "healthy"
+        ):  # a healthy headline counts trace's update ratios: watch records none
             assert str(a).splitlines()[0] == str(b).splitlines()[0]
+        if a.cause != b.cause:  # nothing non-finite and no full step: watch says what it could not judge
+            assert "float16 gradient underflow (gradients flushed to zero) could not be judged" in str(b)
 
 
 def _amp(fault: str) -> Callable[[Any], nantrace.Trace]:
