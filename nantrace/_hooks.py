@@ -124,8 +124,9 @@ class Recorder:
         self._dtype_codes: dict[torch.dtype, int] = {}
         self._shape_codes: dict[torch.Size, int] = {}
         self._on_grads = eager(self._record_grads)
-        # id(tensor) -> (weak reference, version, targets, hook id) of the tensor hooks registered in the step
-        self.grad_targets: dict[int, tuple[weakref.ref[torch.Tensor], int, list[tuple[Any, ...]], int]] = {}
+        # id(tensor) -> [weak reference, version, the first hook's targets, the last hook's targets, the last
+        # hook's id] of the tensor hooks registered in the step (one hook, one list, unless a user hook came between)
+        self.grad_targets: dict[int, list[Any]] = {}
 
     # ------------------------------------------------------------ statistics
     def stat(self, t: torch.Tensor) -> tuple[Any, int]:
@@ -351,8 +352,11 @@ class Recorder:
         """Record the gradients of the tensors of ``items`` that will receive one, named with ``head``
         (``grad_input``/``grad_output``) in place of ``input``/``output``. One tensor hook per tensor: one call's
         output that is the next call's input gets a second target on the first's hook, when it is unchanged since
-        (same version: an in-place op gives it a new gradient function) and no hook was registered on it after
-        nantrace's (a user hook may change the gradient the later one sees). The hook is a ``functools.partial``
+        (same version: an in-place op gives it a new gradient function). Tensor hooks run in the order they were
+        registered, so when a hook of the user's was registered on the tensor after nantrace's last one (it may
+        change the gradient), the targets are split: a consumer's ``grad_input`` stays on the first hook (the
+        gradient its backward made, before the user's hooks) and a producer's ``grad_output`` moves to a new hook
+        registered after the user's (the gradient that reached the producer). The hook is a ``functools.partial``
         of one method wrapped by :func:`eager` once per recorder (a new wrapper per tensor cost ~5 µs)."""
         if phase not in self.phases or not torch.is_grad_enabled():
             return
@@ -361,15 +365,26 @@ class Recorder:
             if not (t.requires_grad and describable(t)):
                 continue
             target = (phase, mcode, tcode, call, path, parent, micro)
-            key = id(t)
-            hit = self.grad_targets.get(key)
-            if hit is not None and hit[0]() is t and hit[1] == t._version and _last_hook(t) == hit[3]:
-                hit[2].append(target)
+            hit = self.grad_targets.get(id(t))
+            if hit is None or hit[0]() is not t or hit[1] != t._version:
+                targets = [target]
+                h = t.register_hook(functools.partial(self._on_grads, targets))
+                self.tensor_handles.append(h)
+                self.grad_targets[id(t)] = [weakref.ref(t), t._version, targets, targets, h.id]
                 continue
-            targets = [target]
-            h = t.register_hook(functools.partial(self._on_grads, targets))
-            self.tensor_handles.append(h)
-            self.grad_targets[key] = (weakref.ref(t), t._version, targets, h.id)
+            if head == "grad_output":
+                _after_user_hooks(self, t, hit, target)
+            else:
+                hit[2].append(target)
+
+    def settle_grads(self) -> None:
+        """At the end of a root forward: a hook the user registered on a watched tensor after nantrace's last
+        one (after the tensor's consumers ran) runs before the producer's row is taken, so that row moves to a
+        hook registered after it (:func:`_after_user_hooks`)."""
+        for hit in self.grad_targets.values():
+            t = hit[0]()
+            if t is not None and hit[1] == t._version:
+                _after_user_hooks(self, t, hit)
 
     def module_hooks(
         self,
@@ -474,6 +489,8 @@ class Recorder:
                     self.seen_kinds |= out_kinds
             phase = "loss" if is_root and self.root_depth == 0 else "backward"
             self.watch_grads(phase, mcode, tcode, call, items, "grad_output", parent)
+            if is_root and self.root_depth == 0:
+                self.settle_grads()
 
         return _own(eager(pre)), _own(eager(post))
 
@@ -537,6 +554,28 @@ def _own(hook: Callable[..., None]) -> Callable[..., None]:
     (:func:`nantrace._drill.leaf_key`) of instances that differ only in them are the same."""
     setattr(hook, OWN_HOOK, True)
     return hook
+
+
+def _after_user_hooks(
+    rec: Recorder, t: torch.Tensor, hit: list[Any], new: tuple[Any, ...] | None = None
+) -> None:
+    """Add the producer's ``grad_output`` target ``new`` (if any) to the last of nantrace's hooks on ``t``
+    (``hit``: its :attr:`Recorder.grad_targets` entry). When a hook of the user's was registered after that one,
+    the producers' targets move to a new hook registered after the user's, which sees the gradient the user's
+    hooks returned; consumers' targets stay where they are (their backward made the gradient the first hook
+    sees)."""
+    if _last_hook(t) == hit[4]:
+        if new is not None:
+            hit[3].append(new)
+        return
+    last = hit[3]
+    moved = [x for x in last if x[4].startswith("grad_output")] + ([new] if new is not None else [])
+    if not moved:
+        return
+    last[:] = [x for x in last if not x[4].startswith("grad_output")]
+    h = t.register_hook(functools.partial(rec._on_grads, moved))
+    rec.tensor_handles.append(h)
+    hit[3], hit[4] = moved, h.id
 
 
 def _last_hook(t: torch.Tensor) -> int | None:

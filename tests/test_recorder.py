@@ -727,19 +727,25 @@ def test_inplace_relu_after_linear() -> None:
 
 
 class UserHookBetween(nn.Module):
-    """fc's output gets a user tensor hook that doubles its gradient before head takes it as input."""
+    """fc's output gets a user tensor hook (``times`` its gradient) before head takes it as input
+    (``after=True``: after head ran)."""
 
-    def __init__(self) -> None:
+    def __init__(self, times: float = 2.0, after: bool = False) -> None:
         super().__init__()
         self.fc = _planted_linear()
         self.head = nn.Linear(2, 1, bias=False)
+        self.times, self.after = times, after
         with torch.no_grad():
             self.head.weight.copy_(torch.tensor([[2.0, -1.0]]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
-        h.register_hook(lambda g: g * 2)
-        return self.head(h)
+        if not self.after:
+            h.register_hook(lambda g: g * self.times)
+        out = self.head(h)
+        if self.after:
+            h.register_hook(lambda g: g * self.times)
+        return out
 
 
 def test_one_tensor_hook_per_tensor_passed_between_modules() -> None:
@@ -770,19 +776,40 @@ def test_one_tensor_hook_per_tensor_passed_between_modules() -> None:
     assert_stats(one(rec, phase="backward", module="head", tensor="grad_input[0]"), g)
 
 
-def test_user_hook_between_modules_is_seen_by_the_later_row() -> None:
-    """A user hook registered on fc's output between nantrace's two (fc's grad_output, then head's grad_input)
-    doubles the gradient: hooks of one tensor run in the order they were registered, each on what the one before
-    returned, so fc's row holds the gradient head sent back and head's row the doubled one. The two rows stay two
-    hooks (merging them would skip the user's hook for the later one)."""
-    m = UserHookBetween()
+@pytest.mark.parametrize("after", [False, True], ids=["before_head", "after_head"])
+def test_a_user_hook_between_modules_changes_what_reaches_the_producer_not_what_the_consumer_made(
+    after: bool,
+) -> None:
+    """A user hook on fc's output doubles its gradient, registered before head takes it or after head ran:
+    head's grad_input is what head's backward made (g), fc's grad_output what reached fc after the user's hook
+    (2g), and fc's parameter gradients agree with 2g. Tensor hooks run in registration order, so nantrace's
+    producer row moves to a hook after the user's."""
+    m = UserHookBetween(after=after)
     x = torch.tensor([[1.0, 0.0, 2.0], [-1.0, 3.0, 1.0]])
     with nantrace.trace(m) as tr:
         m(x).sum().backward()
     rec = tr.records
     g = torch.tensor([[2.0, -1.0], [2.0, -1.0]])
-    assert_stats(one(rec, phase="backward", module="fc", tensor="grad_output[0]"), g)
-    assert_stats(one(rec, phase="backward", module="head", tensor="grad_input[0]"), g * 2)
+    assert_stats(one(rec, phase="backward", module="head", tensor="grad_input[0]"), g)
+    assert_stats(one(rec, phase="backward", module="fc", tensor="grad_output[0]"), g * 2)
+    assert m.fc.bias.grad is not None
+    assert m.fc.bias.grad.tolist() == [8.0, -4.0]  # the sum over the batch of 2g: the user's hook took effect
+
+
+def test_an_inf_a_user_hook_writes_between_modules_is_the_parents_code() -> None:
+    """A user hook on fc's output that multiplies its gradient by inf: head's backward made a finite gradient,
+    the infs (±: g has both signs) are first seen in what reached fc, so the producer is the code of the model that registered the hook
+    (the root's backward), not head's; watch's replay names the same."""
+    answers = []
+    for make in (nantrace.trace, nantrace.watch):
+        m = UserHookBetween(times=math.inf)
+        x = torch.tensor([[1.0, 0.0, 2.0], [-1.0, 3.0, 1.0]])
+        with make(m) as tr:
+            m(x).sum().backward()
+        ov = tr.first_overflow()
+        assert ov is not None
+        answers.append((ov.step, ov.phase, ov.module, ov.module_type, ov.tensor, ov.kind))
+    assert answers[0] == answers[1] == (0, "backward", "", "UserHookBetween", "fc.grad_output[0]", "inf")
 
 
 class Shared(nn.Module):
