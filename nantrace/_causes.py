@@ -97,7 +97,7 @@ def data(run: Facts, ev: Overflow) -> Diagnosis:
     shape = str(rows["shape"].iloc[0]) if len(rows) else "?"
     arg = rows["arg"].iloc[0] if len(rows) else None
     argname = f" (argument `{arg}`)" if isinstance(arg, str) and arg else ""
-    where = f"step {ev.step}" + (f", micro-step {ev.micro_step}" if ev.micro_step else "")
+    where = step_words(ev)
     evidence = [
         f"model input `{ev.tensor}`{argname}, shape {shape}, dtype {ev.dtype}, held {what or 'non-finite values'} "
         f"at {where}, before any module ran",
@@ -130,11 +130,29 @@ def data(run: Facts, ev: Overflow) -> Diagnosis:
     return Diagnosis("data", ev, evidence, advice, summary)
 
 
+def step_words(ev: Overflow) -> str:
+    """``"step 3"``, or ``"step 3, micro-step 1"`` for a micro-step after the first."""
+    return f"step {ev.step}" + (f", micro-step {ev.micro_step}" if ev.micro_step else "")
+
+
 def call_inputs(run: Facts, ev: Overflow) -> pd.DataFrame:
     """The input rows of the event's module call (the model inputs for the root)."""
     phase = "data" if ev.module == "" else "forward"
     mine = run.rows_of(ev.step, phase, module=ev.module, prefix="input")
     return mine[(mine["micro_step"].to_numpy() == ev.micro_step) & (mine["call"].to_numpy() == ev.call)]
+
+
+def _seen_at(run: Facts, ev: Overflow) -> str | None:
+    """For a forward event first seen at a submodule's input (the module's own code made it), that submodule's
+    name: the first non-finite forward row of the micro-step with the event's tensor path under the module."""
+    if ev.phase != "forward" or not ev.tensor.startswith("input"):
+        return None
+    rows = run.rows_of(ev.step, "forward")
+    rows = rows[(rows["micro_step"].to_numpy() == ev.micro_step) & (rows["tensor"].astype(str) == ev.tensor)]
+    rows = rows[(rows[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum(axis=1) > 0)]
+    if ev.module:
+        rows = rows[rows["module"].astype(str).str.startswith(f"{ev.module}.")]
+    return str(rows["module"].iloc[0]) if len(rows) else None
 
 
 def input_beyond_range(run: Facts, ev: Overflow) -> bool:
@@ -189,7 +207,7 @@ def leaked_masks(run: Facts, ev: Overflow) -> list[str] | None:
 
 def mask_leak(run: Facts, ev: Overflow, masks: list[str]) -> Diagnosis:
     shown = ", ".join(f"`{n}`" for n in masks)
-    where = f"step {ev.step}" + (f", micro-step {ev.micro_step}" if ev.micro_step else "")
+    where = step_words(ev)
     evidence = [
         f"model input(s) {shown} held -inf and count as attention masks (by name, or every value 0 or -inf)",
         f"{module_label(ev.module)} ({ev.module_type}, call {ev.call}) at {where} passed that -inf on into `{ev.tensor}`, "
@@ -260,7 +278,7 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     own_code = own_code_of(run, ev)
     op = run.op_of(ev, "posinf") or run.op_of(ev, "neginf") or run.op_of(ev, "nan")
     evidence = [
-        f"{module_label(ev.module)} ({ev.module_type}, call {ev.call}) at step {ev.step} turned finite inputs "
+        f"{module_label(ev.module)} ({ev.module_type}, call {ev.call}) at {step_words(ev)} turned finite inputs "
         f"(absmax {num(in_absmax)}) into {'NaN' if ev.kind == 'nan' else 'inf'} in {dtype}, whose largest "
         f"finite value is {num(limit)}"
     ]
@@ -363,16 +381,18 @@ _CLASS_SUMMARY = {
 
 def _invalid_forward(run: Facts, ev: Overflow) -> Diagnosis:
     dtype = str(ev.dtype)
-    inputs = call_inputs(run, ev) if ev.module != "" else run.rows_of(ev.step, "data")
+    inputs = call_inputs(run, ev)
     in_neginf = int(inputs["n_neginf"].sum()) if len(inputs) else 0
     oe = op_evidence(run.view, ev)
     assert oe is not None
     what = {"nan": "NaN", "posinf": "+inf", "neginf": "-inf"}[oe.raw_kind]
     held = "NaN" if oe.raw_kind == "nan" else "inf/NaN"
+    where = step_words(ev)
+    seen = _seen_at(run, ev)
     evidence = [
-        f"{module_label(ev.module)} ({ev.module_type}, call {ev.call}) at step {ev.step} produced {what} in "
-        f"`{ev.tensor}` ({dtype}) from inputs holding no {held} (finite absmax {num(finite_absmax(inputs))}, "
-        f"{f'{in_neginf} -inf value(s)' if in_neginf else 'no -inf'})"
+        f"{module_label(ev.module)} ({ev.module_type}, call {ev.call}) at {where} produced {what}, first seen in "
+        f"`{ev.tensor}`{f' of `{seen}`' if seen is not None else ''} ({dtype}), from inputs holding no {held} "
+        f"(finite absmax {num(finite_absmax(inputs))}, {f'{in_neginf} -inf value(s)' if in_neginf else 'no -inf'})"
     ]
     if oe.op is not None:
         evidence.append(f"the forward replay names the op: `{oe.op}`")
@@ -405,7 +425,7 @@ def _invalid_backward(run: Facts, ev: Overflow) -> Diagnosis:
     gout = run.rows_of(ev.step, ("backward", "loss"), module=ev.module, prefix="grad_output")
     scale = run.scale.get(ev.step, math.nan)
     evidence = [
-        f"the backward of {module_label(ev.module)} ({ev.module_type}) at step {ev.step} turned finite incoming "
+        f"the backward of {module_label(ev.module)} ({ev.module_type}) at {step_words(ev)} turned finite incoming "
         f"gradients (grad_output absmax {num(finite_absmax(gout))}) into NaN in `{ev.tensor}` ({dtype})",
     ]
     if not math.isnan(scale):
@@ -541,7 +561,7 @@ def backward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     scale = run.scale.get(ev.step, math.nan)
     dtype = compute_dtype(run, ev)
     evidence = [
-        f"the backward of {module_label(ev.module)} ({ev.module_type}) at step {ev.step} turned finite incoming "
+        f"the backward of {module_label(ev.module)} ({ev.module_type}) at {step_words(ev)} turned finite incoming "
         f"gradients (grad_output absmax {num(finite_absmax(gout))}) into inf in `{ev.tensor}` (computed in {dtype}, "
         f"max {num(dtype_max(dtype))})",
         "loss scale: " + ("none (no GradScaler)" if math.isnan(scale) else num(scale)),

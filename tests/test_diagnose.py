@@ -358,6 +358,41 @@ def test_invalid_op_forward_zero_over_zero_advises_eps() -> None:
     assert any("eps" in a for a in d.advice)
 
 
+class SqrtBetween(nn.Module):
+    """The root's own code takes ``sqrt(a(x) - 10)`` between its submodules: NaN where ``a(x) < 10``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+        with torch.no_grad():
+            self.a.weight.fill_(1.0)
+            self.a.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.sqrt(self.a(x) - 10.0))
+
+
+def test_invalid_op_evidence_quotes_the_faulty_micro_step_and_names_the_submodule_input() -> None:
+    """Two micro-steps: the first's input (3: a(x) = 12) is healthy, the second's (2: a(x) = 8) makes NaN in the
+    root's own code. The evidence quotes the second micro-step's input absmax (2, not 3) and says where the NaN
+    was first seen (``b``'s input, not the root's)."""
+    m = SqrtBetween()
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    with nantrace.trace(m, optimizer=opt) as tr:
+        opt.zero_grad()
+        for v in (3.0, 2.0):
+            loss = m(torch.full((2, 4), v)).sum()
+            loss.backward()
+        tr.step(loss=loss)
+        opt.step()
+    d = diagnose(tr)
+    assert d.cause == "invalid_op"
+    assert d.evidence[0] == (
+        "the root model (SqrtBetween, call 0) at step 0, micro-step 1 produced NaN, first seen in `input[0]` of "
+        "`b` (float32), from inputs holding no NaN (finite absmax 2, no -inf)"
+    )
+
+
 def _collapse(init_scale: float, steps: int) -> Trace:
     """The backward of `1` overflows float16 at every scale: its weights (1000) times a large incoming
     gradient (loss = 100 · out) exceed 65504 even unscaled, while the forward stays small."""
