@@ -174,7 +174,7 @@ class Recorder:
                 return
             stats, event = self.stat(t)
         except (torch.OutOfMemoryError, MemoryError):
-            self._dropped(t)
+            _dropped(self, t)
             return
         self.seq += 1
         meta = (
@@ -198,20 +198,6 @@ class Recorder:
         store.add(meta, stats)
         self.has_rows = True
         self.last_kinds = kinds_of_stats(stats)
-
-    def _dropped(self, t: torch.Tensor) -> None:
-        """A statistic ran out of memory: that one record is dropped (never an error in the user's step), with
-        one warning per trace."""
-        self.dropped_records += 1
-        if self.dropped_records == 1:
-            warnings.warn(
-                f"nantrace: out of memory while computing the statistics of a {tuple(t.shape)} "
-                f"{str(t.dtype).replace('torch.', '')} tensor on {t.device}; that record is dropped (and any "
-                "later one that runs out of memory, without another warning). Free memory or record fewer "
-                "phases (trace(phases=...)) to keep every record.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
 
     def _dtype_code(self, dtype: torch.dtype) -> int:
         code = self._dtype_codes.get(dtype)
@@ -358,6 +344,8 @@ class Recorder:
         gradient its backward made, before the user's hooks) and a producer's ``grad_output`` moves to a new hook
         registered after the user's (the gradient that reached the producer). The hook is a ``functools.partial``
         of one method wrapped by :func:`eager` once per recorder (a new wrapper per tensor cost ~5 µs)."""
+        if phase == "loss":  # the root forward's end: the user's hooks on watched tensors are all registered
+            _settle_grads(self)
         if phase not in self.phases or not torch.is_grad_enabled():
             return
         micro = max(self.micro, 0)
@@ -376,15 +364,6 @@ class Recorder:
                 _after_user_hooks(self, t, hit, target)
             else:
                 hit[2].append(target)
-
-    def settle_grads(self) -> None:
-        """At the end of a root forward: a hook the user registered on a watched tensor after nantrace's last
-        one (after the tensor's consumers ran) runs before the producer's row is taken, so that row moves to a
-        hook registered after it (:func:`_after_user_hooks`)."""
-        for hit in self.grad_targets.values():
-            t = hit[0]()
-            if t is not None and hit[1] == t._version:
-                _after_user_hooks(self, t, hit)
 
     def module_hooks(
         self,
@@ -489,8 +468,6 @@ class Recorder:
                     self.seen_kinds |= out_kinds
             phase = "loss" if is_root and self.root_depth == 0 else "backward"
             self.watch_grads(phase, mcode, tcode, call, items, "grad_output", parent)
-            if is_root and self.root_depth == 0:
-                self.settle_grads()
 
         return _own(eager(pre)), _own(eager(post))
 
@@ -554,6 +531,31 @@ def _own(hook: Callable[..., None]) -> Callable[..., None]:
     (:func:`nantrace._drill.leaf_key`) of instances that differ only in them are the same."""
     setattr(hook, OWN_HOOK, True)
     return hook
+
+
+def _dropped(rec: Recorder, t: torch.Tensor) -> None:
+    """A statistic ran out of memory: that one record is dropped (never an error in the user's step), with
+    one warning per trace."""
+    rec.dropped_records += 1
+    if rec.dropped_records == 1:
+        warnings.warn(
+            f"nantrace: out of memory while computing the statistics of a {tuple(t.shape)} "
+            f"{str(t.dtype).replace('torch.', '')} tensor on {t.device}; that record is dropped (and any "
+            "later one that runs out of memory, without another warning). Free memory or record fewer "
+            "phases (trace(phases=...)) to keep every record.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _settle_grads(rec: Recorder) -> None:
+    """At the end of a root forward: a hook the user registered on a watched tensor after nantrace's last
+    one (after the tensor's consumers ran) runs before the producer's row is taken, so that row moves to a
+    hook registered after it (:func:`_after_user_hooks`)."""
+    for hit in rec.grad_targets.values():
+        t = hit[0]()
+        if t is not None and hit[1] == t._version:
+            _after_user_hooks(rec, t, hit)
 
 
 def _after_user_hooks(
