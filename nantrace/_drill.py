@@ -266,10 +266,49 @@ class Substitute(TorchFunctionMode):
         return torch.where(torch.isfinite(out), out, torch.full_like(out, value))
 
 
+# (module, class name) of the wrappers whose forward issues collectives: FSDP2, FSDP1, DDP (its buffer broadcast)
+_COLLECTIVE_WRAPPERS = (
+    ("torch.distributed.fsdp", "FSDPModule"),
+    ("torch.distributed.fsdp", "FullyShardedDataParallel"),
+    ("torch.nn.parallel", "DistributedDataParallel"),
+)
+
+
+def issues_collectives(module: torch.nn.Module) -> bool:
+    """Whether running ``module`` may issue a collective in a process group of several ranks: it is, or holds, an
+    FSDP (1 or 2) or DDP module. A replay runs on one rank only, so its collective would wait for ranks that never
+    join it. Only classes already imported are looked for (no FSDP module exists before its package is)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    kinds = tuple(
+        c
+        for c in (getattr(sys.modules.get(m), name, None) for m, name in _COLLECTIVE_WRAPPERS)
+        if isinstance(c, type)
+    )
+    return bool(kinds) and any(isinstance(m, kinds) for m in module.modules())
+
+
+class NoCollectives(TorchFunctionMode):
+    """Stops a replay at a ``torch.distributed`` function (a collective of a tensor-parallel layer): it would wait
+    for ranks that do not replay. Used only in a process group of several ranks."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if str(getattr(func, "__module__", "") or "").startswith("torch.distributed"):
+            raise Stop
+        return func(*args, **(kwargs or {}))
+
+
 def replay_call(module: torch.nn.Module, args: Any, kwargs: Any, *modes: Any) -> Any:
     """Run ``module`` on copies of ``args``/``kwargs`` and of its buffers (``torch.func.functional_call``) under
     ``modes``, with autograd off and the CPU RNG state forked; the call's output, or None when a mode stopped
-    it or it raised (best effort: a replay never raises)."""
+    it or it raised (best effort: a replay never raises). In a process group of several ranks a call that may
+    issue a collective is not replayed (:func:`issues_collectives`, :class:`NoCollectives`): the other ranks
+    would never join it."""
+    if issues_collectives(module):
+        return None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        modes = (NoCollectives(), *modes)
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     # detached parameters: autocast caches its casts of leaf parameters that require grad, and a cached
     # cast is not run again, so the replay would not see autocast cast a weight beyond the dtype's max

@@ -87,8 +87,10 @@ STEP_COLUMNS: tuple[str, ...] = (
 
 # How a step was recorded: "full" (every hook), "watch" (nantrace.watch's sentinel only), "replay" (the sentinel
 # saw a non-finite value and the step was replayed in full), "not_reproduced" (it was, but the replay recorded
-# no non-finite value), "post_step" (only the parameters after optimizer.step(), which made the value).
-RECORDED: tuple[str, ...] = ("full", "watch", "replay", "not_reproduced", "post_step")
+# no non-finite value), "post_step" (only the parameters after optimizer.step(), which made the value),
+# "not_replayed" (the sentinel saw one, but the model issues collectives (FSDP, DDP) that a replay on one rank
+# would wait on forever: nothing recorded).
+RECORDED: tuple[str, ...] = ("full", "watch", "replay", "not_reproduced", "post_step", "not_replayed")
 
 # one row of hook metadata: the identifying columns of RECORD_COLUMNS (up to numel), then internal fields
 META_COLUMNS: tuple[str, ...] = (

@@ -514,9 +514,11 @@ def watch(
     statistics) and the RNG states are restored afterwards, and the optimizer and scaler are not touched, so the
     run continues bit for bit as without nantrace. A non-finite parameter after ``optimizer.step()`` is recorded
     as that step's ``optimizer`` rows. ``steps.recorded`` says how each step was recorded: ``"full"``,
-    ``"watch"`` (sentinel only), ``"replay"``, ``"post_step"``, or ``"not_reproduced"`` (the replay recorded
-    no non-finite value: non-deterministic kernels, or inputs changed in place after the forward); for the
-    latter ``first_overflow()`` and ``diagnose()`` report where the sentinel detected it, and say so.
+    ``"watch"`` (sentinel only), ``"replay"``, ``"post_step"``, ``"not_reproduced"`` (the replay recorded
+    no non-finite value: non-deterministic kernels, or inputs changed in place after the forward) or
+    ``"not_replayed"`` (in a process group of several ranks the model holds FSDP or DDP modules, whose
+    collectives a replay on one rank would wait on forever); for the last two ``first_overflow()`` and
+    ``diagnose()`` report where the sentinel detected it, and say so.
 
     Memory: until each step ends, watch holds references to the root's inputs of every micro-step (no copy;
     the user's own tensors) and the gradients that arrived at the root's outputs (for a language model, the

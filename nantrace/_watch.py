@@ -41,7 +41,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _store
+from ._drill import issues_collectives
 from ._hooks import eager, in_backward
+from ._naming import is_sharded
 from ._scaler import current_lr
 from ._schema import RECORDED
 from ._tree import flatten
@@ -161,7 +163,7 @@ class _Params:
             g = p.grad
             if g is not None and g.is_floating_point() and not g.is_sparse:
                 index.append(i)
-                grads.append(g)
+                grads.append(g.to_local() if is_sharded(g) else g)  # type: ignore[attr-defined]
         return index, grads
 
     @staticmethod
@@ -181,7 +183,8 @@ class _Params:
             len(params),
             tensors,
             floating,
-            [tensors[i] for i in floating],
+            # a DTensor (FSDP2) is checked by this rank's shard: its local tensor, which the optimizer updates
+            [tensors[i].to_local() if is_sharded(tensors[i]) else tensors[i] for i in floating],  # type: ignore[attr-defined]
             plain,
         )
 
@@ -475,7 +478,7 @@ class Watch:
             bad = _read(
                 rec.pending, [self.param_flag]
             )  # with the row's loss, lr and norms: the flush reads none
-            if bad is not None:
+            if bad is not None and self.recorded != "not_replayed":  # no rows without the step's gradients
                 self._note(bad)
                 rec.active = True
                 for p, mcode, tcode, pname in r.params:
@@ -651,6 +654,9 @@ class Watch:
         ]
         if any(v != m.versions for v, m in zip(now, self.micro, strict=True)):
             self.sentinel[str(r.rec.step)]["inputs_changed"] = True
+        if issues_collectives(r.root):  # FSDP/DDP: a replay on this rank alone would wait for the others
+            self.recorded = "not_replayed"
+            return
         self.replaying = True
         r.rec.active = True
         try:

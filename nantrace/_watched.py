@@ -60,7 +60,7 @@ def unreproduced(view: RunView, kind: str | None = None) -> list[Overflow]:
     wanted = set(wanted_kinds(kind))
     out = []
     for note in _notes(view).values():
-        if note.get("recorded") != "not_reproduced":
+        if note.get("recorded") not in ("not_reproduced", "not_replayed"):
             continue
         k = note["kind"]
         if (k == "nan" and "nan" not in wanted) or (k == "inf" and not wanted & {"posinf", "neginf"}):
@@ -71,13 +71,23 @@ def unreproduced(view: RunView, kind: str | None = None) -> list[Overflow]:
             else ""
         )
         where = f"`{note['module']}`" if note["module"] else "the model"
-        message = (
+        saw = (
             f"nantrace.watch saw {k} at step {note['step']} (micro-step {note['micro_step']}, {note['phase']}: "
-            f"{note['tensor']} of {where}), but replaying the step recorded no non-finite value, so its producer "
-            f"is unknown: this is where the sentinel detected it.{changed} Non-deterministic kernels or inputs "
-            "changed after the forward make a replay differ; trace that step with nantrace.trace() to name "
-            "the producer."
+            f"{note['tensor']} of {where})"
         )
+        if note.get("recorded") == "not_replayed":
+            message = (
+                f"{saw}, but did not replay the step: the model holds FSDP or DDP modules, whose forward and "
+                "backward issue collectives that the other ranks would never join, so its producer is unknown: "
+                "this is where the sentinel detected it. Trace that step with nantrace.trace() on every rank "
+                "to name the producer."
+            )
+        else:
+            message = (
+                f"{saw}, but replaying the step recorded no non-finite value, so its producer is unknown: this is "
+                f"where the sentinel detected it.{changed} Non-deterministic kernels or inputs changed after the "
+                "forward make a replay differ; trace that step with nantrace.trace() to name the producer."
+            )
         out.append(
             Overflow(
                 step=int(note["step"]),

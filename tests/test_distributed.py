@@ -112,6 +112,79 @@ def run_fsdp2(rank: int, out: Path) -> dict[str, Any]:
     return {"names": [n for n, _ in module_names(model)]}
 
 
+class SqrtBetween(nn.Module):
+    """The root's own code takes ``sqrt(fc1(x) - 1)`` between its submodules: NaN where ``fc1(x) < 1``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 2)
+        with torch.no_grad():
+            self.fc1.weight.fill_(0.5)
+            self.fc1.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.sqrt(self.fc1(x) - 1.0))
+
+
+def run_own_nan(rank: int, out: Path) -> dict[str, Any]:
+    """FSDP2; at step 1 rank 1's batch (0.25: fc1 gives 0.5) makes NaN in the root's own code, rank 0's (2: fc1
+    gives 4) does not. A replay of the root on rank 1 alone would all-gather with no partner: nantrace must not
+    replay it, under trace (drill-down) or watch (step replay)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    got: dict[str, Any] = {}
+    for name, make in (("trace", nantrace.trace), ("watch", nantrace.watch)):
+        torch.manual_seed(0)
+        model = SqrtBetween()
+        mesh = init_device_mesh("cpu", (WORLD,))
+        fully_shard(model.fc1, mesh=mesh)
+        fully_shard(model.fc2, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        with make(model, optimizer=opt) as tr:
+            for step in range(2):
+                x = torch.full((2, 4), 0.25 if rank == 1 and step == 1 else 2.0)
+                loss = model(x).sum()
+                opt.zero_grad()
+                tr.step(loss=loss)
+                loss.backward()
+                opt.step()
+        ov = tr.first_overflow()
+        got[name] = {
+            "first": None if ov is None else [ov.step, ov.phase, ov.module, ov.tensor, ov.kind, str(ov)],
+            "ops": len(tr.ops),
+            "recorded": tr.steps["recorded"].astype(str).tolist(),
+        }
+    return got
+
+
+class AllReduceThenSqrt(SqrtBetween):
+    """A tensor-parallel style root: its own code all-reduces a count before the sqrt of :class:`SqrtBetween`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = torch.ones(1)
+        dist.all_reduce(n)  # every rank adds 1: n = 2
+        return self.fc2(torch.sqrt(self.fc1(x) - 1.0) * (n / 2))
+
+
+def run_all_reduce(rank: int) -> dict[str, Any]:
+    """No FSDP/DDP module; at step 1 rank 1's batch makes NaN in the root's own code after its all-reduce. The
+    drill-down's replay of the root on rank 1 stops at the collective (``NoCollectives``) instead of waiting for
+    rank 0."""
+    torch.manual_seed(0)
+    model = AllReduceThenSqrt()
+    with nantrace.trace(model) as tr:
+        for step in range(2):
+            model(torch.full((2, 4), 0.25 if rank == 1 and step == 1 else 2.0)).sum().backward()
+            tr.step()
+    ov = tr.first_overflow()
+    return {
+        "first": None if ov is None else [ov.step, ov.phase, ov.module, ov.tensor, ov.kind],
+        "ops": len(tr.ops),
+    }
+
+
 def run_fsdp1(rank: int, out: Path) -> dict[str, Any]:
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -166,6 +239,8 @@ def worker(rank: int, port: int, out: str) -> None:
         info["live_checks"] = live._live.checks if live._live is not None else None
         info["fsdp2"] = run_fsdp2(rank, folder)
         info["fsdp1"] = run_fsdp1(rank, folder)
+        info["own_nan"] = run_own_nan(rank, folder)
+        info["all_reduce"] = run_all_reduce(rank)
         (folder / f"info-{rank}.json").write_text(json.dumps(info))
         dist.barrier()
     finally:
@@ -612,6 +687,33 @@ def test_fsdp2_fully_shard_on_gloo(runs: Path) -> None:
         [1, 0, "backward", True],
         [1, 1, "data", False],
     ]
+
+
+def test_a_rank_alone_never_replays_a_call_that_issues_collectives(runs: Path) -> None:
+    """FSDP2, a NaN made by the root's own code on rank 1 only (:func:`run_own_nan`). Replaying the root on rank 1
+    alone would all-gather with no partner (the job hangs): nantrace.trace names the root from its rows with no
+    op-level replay, and nantrace.watch does not replay the step and says why."""
+    got = info(runs, 1)["own_nan"]
+    trace, watch = got["trace"], got["watch"]
+    assert trace["first"][:5] == [1, "forward", "", "input[0]", "nan"]
+    assert trace["ops"] == 0
+    assert watch["first"][:5] == [1, "forward", "", "output", "nan"]
+    assert watch["ops"] == 0
+    assert watch["recorded"] == ["full", "not_replayed"]  # every=100: step 0 is recorded in full
+    assert trace["recorded"] == ["full", "full"]
+    assert watch["first"][5] == (
+        "nantrace.watch saw nan at step 1 (micro-step 0, forward: output of the model), but did not replay the step: "
+        "the model holds FSDP or DDP modules, whose forward and backward issue collectives that the other ranks "
+        "would never join, so its producer is unknown: this is where the sentinel detected it. Trace that step "
+        "with nantrace.trace() on every rank to name the producer."
+    )
+
+
+def test_a_replay_stops_at_a_collective_of_the_users_own_code(runs: Path) -> None:
+    """A root whose own code calls ``dist.all_reduce`` (:func:`run_all_reduce`), NaN on rank 1 only: the replay
+    stops at the collective, so no op is named and rank 0 is not left waiting; the rows still name the root."""
+    assert info(runs, 1)["all_reduce"] == {"first": [1, "forward", "", "input[0]", "nan"], "ops": 0}
+    assert info(runs, 0)["all_reduce"] == {"first": None, "ops": 0}
 
 
 def test_fsdp1_on_gloo(runs: Path) -> None:
