@@ -93,6 +93,7 @@ class Recorder:
         self.every = every
         self.light = False  # on steps between full ones (every > 1): rows only for tensors holding inf/NaN
         self.drill = drill
+        self.device_stats = False  # a statistic was computed on the sync-free (on-device) path
         self.capture: Any = None  # a nantrace._repro.Capture with trace(capture=...)
         self.seen_kinds: set[str] = set()
         self.own_code: set[tuple[int, int]] = (
@@ -140,6 +141,7 @@ class Recorder:
             stats: Any = stats_host(t)
         else:
             stats = stats_device(t)
+            self.device_stats = True  # no host statistics: no drill-down signal (diagnose says so)
         self.event += 1
         if ver >= 0:
             self.cache[key] = (weakref.ref(t), ver, stats, self.event)

@@ -477,6 +477,8 @@ class Recording:
         if pending.lr is None and self.optimizer is not None and self.optimizer.param_groups:
             pending.lr = _scaler.current_lr(self.optimizer)  # a step the scaler skipped: lr still applies
         n_chunks, closing = len(self.store.chunks), self.rec.step
+        if self.rec.device_stats:
+            self.options["device_stats"] = True  # read by diagnose(): no transient inf could be looked for
         self.rec.end_step(_chunk_mask)
         bad = len(self.store.step_rows) > 0 and self.store.step_rows.cols["n_nonfinite"][-1] > 0
         self.samples.end_step(self.store.samples_host)

@@ -367,6 +367,30 @@ def outside(run: Facts) -> Diagnosis:
     return Diagnosis("scaler_backoff", None, evidence, advice, summary, headline=head[:HEADLINE_MAX])
 
 
+def _transient_blind(run: Facts) -> str | None:
+    """Why the trace could not look for a transient inf (a finite call with an inf inside) on some steps, from
+    its options: the drill-down off, statistics on the sync-free path (no host statistics, no replay), or light
+    steps (``every`` > 1: only tensors holding inf/NaN get a row, so no signal is read). None when it could."""
+    o = run.options
+    if o.get("drill") is False:
+        return "drill=False: no finite module call was replayed, so a transient inf inside one is not seen"
+    if o.get("device_stats") or o.get("sync_free"):
+        return (
+            "statistics were computed on the sync-free path (on-device reductions): the drill-down replays no "
+            "module call there, so a transient inf inside one is not seen"
+        )
+    every = o.get("every")
+    steps = [int(s) for s in run.steps["step"].tolist()] if "step" in run.steps.columns else []
+    if isinstance(every, int) and every > 1:
+        light = sum(1 for s in steps if s % every)
+        if light:
+            return (
+                f"{light} of {len(steps)} steps were light (every={every}: only tensors holding inf/NaN get a "
+                "row), so no signal of a transient inf inside a module was read on them"
+            )
+    return None
+
+
 def healthy(run: Facts) -> Diagnosis:
     evidence = [f"{len(run.step_ids)} steps, {len(run.records)} records, no inf/NaN produced"]
     skips = skips_text(run)
@@ -398,6 +422,13 @@ def healthy(run: Facts) -> Diagnosis:
     watched = (
         int((st["recorded"].astype(str) == "watch").sum()) if "recorded" in st.columns and len(st) else 0
     )
+    blind = _transient_blind(run)
+    if blind:
+        evidence.append(blind)
+        summary = (
+            "Healthy as far as recorded: every recorded value was finite, but a transient inf inside a module "
+            "(turned finite by its own code, e.g. tanh(inf) = 1) could not be looked for on every step."
+        )
     if watched:
         # nantrace.watch: those steps' sentinel saw the model's inputs, outputs, loss, gradients and parameters only
         evidence.append(

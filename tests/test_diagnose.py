@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -524,6 +525,51 @@ def test_healthy_fp32_mlp_and_quiet_growth_is_not_flagged() -> None:
     d = diagnose(tr)
     assert d.cause == "healthy"
     assert "healthy" in str(d).lower()
+
+
+@pytest.mark.parametrize(
+    ("options", "caveat"),
+    [
+        ({}, None),
+        (
+            {"drill": False},
+            "drill=False: no finite module call was replayed, so a transient inf inside one is not seen",
+        ),
+        (
+            {"sync_free": True},
+            "statistics were computed on the sync-free path (on-device reductions): the drill-down replays no "
+            "module call there, so a transient inf inside one is not seen",
+        ),
+        (
+            {"every": 2},
+            "1 of 3 steps were light (every=2: only tensors holding inf/NaN get a row), so no signal of a "
+            "transient inf inside a module was read on them",
+        ),
+    ],
+    ids=["default", "drill_off", "sync_free", "every_2"],
+)
+def test_a_healthy_verdict_says_when_a_transient_inf_could_not_be_looked_for(
+    options: dict[str, Any], caveat: str | None
+) -> None:
+    """Healthy runs: the default trace looks for transient infs on every step (no caveat); with the drill-down
+    off, on the sync-free path or on light steps it could not, and the healthy verdict says which."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with nantrace.trace(model, **options) as tr:
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            tr.step()
+    d = diagnose(tr)
+    assert d.cause == "healthy"
+    if caveat is None:
+        assert d.summary == "Healthy: every recorded value was finite and nothing points to a fault."
+        assert not any("transient inf" in e for e in d.evidence)
+    else:
+        assert caveat in d.evidence
+        assert d.summary == (
+            "Healthy as far as recorded: every recorded value was finite, but a transient inf inside a module "
+            "(turned finite by its own code, e.g. tanh(inf) = 1) could not be looked for on every step."
+        )
 
 
 class _OwnCodeBlock(nn.Module):
