@@ -591,8 +591,12 @@ def backward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
             f"and check the weights of {module_label(ev.module)}: its gradient overflows at loss scale {num(scale)}.",
         )
     summary = (
-        f"The backward of {module_label(ev.module)} ({ev.module_type}) overflowed {dtype} at step {ev.step}; "
-        "a GradScaler did not absorb it."
+        f"The backward of {module_label(ev.module)} ({ev.module_type}) overflowed {dtype} at {step_words(ev)}; "
+        + (
+            "with no GradScaler, nothing skipped the step."
+            if math.isnan(scale)
+            else "a GradScaler did not absorb it."
+        )
     )
     return Diagnosis("backward_overflow", ev, evidence, advice, summary)
 

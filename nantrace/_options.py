@@ -119,7 +119,12 @@ class TraceOptions:
     def __post_init__(self) -> None:
         compile_filter(self.modules)  # its type only: whether it matches a module needs the model
         _phase_set(self.phases)
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+        if isinstance(self.every, bool) or not isinstance(self.every, int):
+            raise TypeError(
+                f"every must be an int ≥ 1 (record full statistics every N-th step); got {self.every!r}. "
+                "Use every=1 to record every step."
+            )
+        if self.every < 1:
             raise ValueError(
                 f"every must be an int ≥ 1 (record full statistics every N-th step); got {self.every!r}. "
                 "Use every=1 to record every step."

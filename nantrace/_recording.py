@@ -84,17 +84,26 @@ def _user_stacklevel() -> int:
     return level
 
 
+def _got(obj: Any, base: type) -> str:
+    """What a wrong argument was, in words: a class of the right kind passed instead of an instance says so."""
+    if isinstance(obj, type):
+        kind = "a subclass of " + base.__name__ if issubclass(obj, base) else "a class"
+        return f"the class {obj.__name__} itself ({kind}), not an instance: pass the object your loop uses"
+    return type(obj).__name__
+
+
 def _check_objects(model: Any, scaler: Any, optimizer: Any) -> None:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}: {model!r:.80}")
+        got = _got(model, nn.Module) if isinstance(model, type) else f"{type(model).__name__}: {model!r:.80}"
+        raise TypeError(f"model must be a torch.nn.Module; got {got}")
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(
-            f"scaler must be a torch.amp.GradScaler (or None); got {type(scaler).__name__}. "
+            f"scaler must be a torch.amp.GradScaler (or None); got {_got(scaler, torch.amp.GradScaler)}. "
             "Pass the GradScaler your loop calls scale()/step()/update() on."
         )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer (or None); got {type(optimizer).__name__}. "
+            f"optimizer must be a torch.optim.Optimizer (or None); got {_got(optimizer, torch.optim.Optimizer)}. "
             "Pass the optimizer your loop calls step() on."
         )
 

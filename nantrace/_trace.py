@@ -464,9 +464,10 @@ def trace(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``scaler`` not a ``GradScaler``, ``optimizer`` not an
-            ``Optimizer``, a ``modules`` item of another type, or ``capture`` is not a str or list of str.
+            ``Optimizer`` (a class passed instead of an instance is named as such), a ``modules`` item of
+            another type, ``every`` is not an int, or ``capture`` is not a str or list of str.
         ValueError: ``modules`` is empty or matches no module, ``phases`` is empty or names an unknown
-            phase, ``every`` or ``flush_every`` is not an int ≥ 1, ``live_every`` is neither None nor an
+            phase, ``every`` is below 1, ``flush_every`` is not an int ≥ 1, ``live_every`` is neither None nor an
             int ≥ 1, ``path`` is a directory or in a directory that does not exist or is not writable, or
             ``capture`` names a module that is not traced.
         NantraceError (on enter): the model is already being traced.
@@ -536,12 +537,20 @@ def watch(
         the :class:`Trace` (a context manager).
 
     Raises:
-        TypeError / ValueError: as :func:`trace`; ``every`` is neither None nor an int ≥ 1.
+        TypeError / ValueError: as :func:`trace` (an unknown option is a TypeError naming ``nantrace.watch()``);
+            ``every`` is neither None nor an int (TypeError) or is below 1 (ValueError).
         NantraceError (on enter): the model is already being traced.
     """
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise ValueError(
+        wrong_type = isinstance(every, bool) or not isinstance(every, int)
+        raise (TypeError if wrong_type else ValueError)(
             f"every must be None (no periodic full step) or an int ≥ 1 (a full step every N steps); got {every!r}"
+        )
+    unknown = sorted(set(options) - set(TraceOptions.names()))
+    if unknown:
+        raise TypeError(
+            f"nantrace.watch() got unknown option(s) {unknown}; the options are "
+            f"{['every', *(n for n in TraceOptions.names() if n != 'every')]}"
         )
     tr = Trace(model, scaler=scaler, optimizer=optimizer, **options)
     assert tr._recording is not None

@@ -328,6 +328,10 @@ def test_c14_backward_grad_input_overflow_is_backward_overflow() -> None:
     assert d.overflow is not None and (d.overflow.phase, d.overflow.module) == ("backward", "1")
     assert any("no GradScaler" in e for e in d.evidence)
     assert any("`1`" in a for a in d.advice)
+    assert (
+        d.summary
+        == "The backward of `1` (Linear) overflowed float16 at step 0; with no GradScaler, nothing skipped the step."
+    )
 
 
 # ============================================================================================ one per cause

@@ -78,6 +78,44 @@ def test_trace_optimizer_must_be_an_optimizer() -> None:
     check(TypeError, lambda: trace(m, optimizer=params), names="optimizer", hints=("Optimizer",), m=m)
 
 
+def test_a_class_passed_for_an_instance_is_named_as_such() -> None:
+    """The GradScaler or optimizer class itself (not an instance) is named as a class, with what to pass."""
+    m = model()
+    msg = check(TypeError, lambda: trace(m, scaler=torch.amp.GradScaler), names="scaler", m=m)
+    assert msg == (
+        "scaler must be a torch.amp.GradScaler (or None); got the class GradScaler itself (a subclass of "
+        "GradScaler), not an instance: pass the object your loop uses. Pass the GradScaler your loop calls "
+        "scale()/step()/update() on."
+    )
+    msg = check(TypeError, lambda: nantrace.watch(m, optimizer=torch.optim.AdamW), names="optimizer", m=m)
+    assert "got the class AdamW itself (a subclass of Optimizer), not an instance" in msg
+    msg = check(TypeError, lambda: trace(nn.Linear), names="model")
+    assert msg == (
+        "model must be a torch.nn.Module; got the class Linear itself (a subclass of Module), not an instance: "
+        "pass the object your loop uses"
+    )
+
+
+@pytest.mark.parametrize("make", [trace, nantrace.watch], ids=["trace", "watch"])
+def test_every_of_a_wrong_type_is_a_type_error_and_below_one_a_value_error(make: Any) -> None:
+    m = model()
+    check(TypeError, lambda: make(m, every="x"), names="every", m=m)
+    check(TypeError, lambda: make(m, every=1.5), names="every", m=m)
+    check(ValueError, lambda: make(m, every=0), names="every", m=m)
+
+
+def test_an_unknown_option_names_the_function_it_was_given_to() -> None:
+    m = model()
+    msg = check(TypeError, lambda: nantrace.watch(m, evry=3), names="evry", m=m)
+    assert msg.startswith(
+        "nantrace.watch() got unknown option(s) ['evry']; the options are ['every', 'modules'"
+    )
+    msg = check(
+        TypeError, lambda: trace(m, evry=3), names="evry", m=m
+    )  # Python's own: trace() lists its options
+    assert msg == "trace() got an unexpected keyword argument 'evry'"
+
+
 def test_valid_scaler_and_optimizer_are_accepted() -> None:
     m = model()
     tr = trace(

@@ -480,9 +480,11 @@ def test_a_watched_step_copies_twice_and_an_optimizer_fault_is_named_as_before(
     assert steps["n_records"].tolist() == [0, 0, 4] and steps["n_nonfinite"].tolist() == [0, 0, 4]
 
 
-@pytest.mark.parametrize("every", [0, -1, 1.5, True])
-def test_watch_every_must_be_a_positive_int_or_none(every: Any) -> None:
-    with pytest.raises(ValueError, match="every must be None"):
+@pytest.mark.parametrize(
+    ("every", "error"), [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)]
+)
+def test_watch_every_must_be_a_positive_int_or_none(every: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match="every must be None"):
         nantrace.watch(nn.Linear(1, 1), every=every)
 
 
