@@ -44,6 +44,23 @@ class ScaledLinear(nn.Module):
         return self.fc(x)
 
 
+class SqrtBetween(nn.Module):
+    """fc1 (Linear 4→4, weights ``weight``, bias 0), then the root's own code ``sqrt(fc1(x) - shift)``, then fc2
+    (Linear 4→2): NaN made between the submodules where ``fc1(x) < shift`` (for a constant input ``v``, fc1 gives
+    ``4·weight·v``)."""
+
+    def __init__(self, weight: float, shift: float) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.shift = shift
+        with torch.no_grad():
+            self.fc1.weight.fill_(weight)
+            self.fc1.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.sqrt(self.fc1(x) - self.shift))
+
+
 # ------------------------------------------------------------------------------------------ frames
 
 _DEFAULT_ROW: dict[str, Any] = {

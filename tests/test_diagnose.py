@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import SqrtBetween
 from test_cases import AttnModel, C01Model, C06Model, Gate, Residual  # the CASES models, shared
 from torch import nn
 
@@ -363,25 +364,11 @@ def test_invalid_op_forward_zero_over_zero_advises_eps() -> None:
     assert any("eps" in a for a in d.advice)
 
 
-class SqrtBetween(nn.Module):
-    """The root's own code takes ``sqrt(a(x) - 10)`` between its submodules: NaN where ``a(x) < 10``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
-        with torch.no_grad():
-            self.a.weight.fill_(1.0)
-            self.a.bias.zero_()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.sqrt(self.a(x) - 10.0))
-
-
 def test_invalid_op_evidence_quotes_the_faulty_micro_step_and_names_the_submodule_input() -> None:
-    """Two micro-steps: the first's input (3: a(x) = 12) is healthy, the second's (2: a(x) = 8) makes NaN in the
-    root's own code. The evidence quotes the second micro-step's input absmax (2, not 3) and says where the NaN
-    was first seen (``b``'s input, not the root's)."""
-    m = SqrtBetween()
+    """Two micro-steps: the first's input (3: fc1 gives 12) is healthy, the second's (2: fc1 gives 8) makes NaN in
+    the root's own code. The evidence quotes the second micro-step's input absmax (2, not 3) and says where the NaN
+    was first seen (``fc2``'s input, not the root's)."""
+    m = SqrtBetween(weight=1.0, shift=10.0)
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     with nantrace.trace(m, optimizer=opt) as tr:
         opt.zero_grad()
@@ -394,7 +381,7 @@ def test_invalid_op_evidence_quotes_the_faulty_micro_step_and_names_the_submodul
     assert d.cause == "invalid_op"
     assert d.evidence[0] == (
         "the root model (SqrtBetween, call 0) at step 0, micro-step 1 produced NaN, first seen in `input[0]` of "
-        "`b` (float32), from inputs holding no NaN (finite absmax 2, no -inf)"
+        "`fc2` (float32), from inputs holding no NaN (finite absmax 2, no -inf)"
     )
 
 

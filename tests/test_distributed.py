@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import SqrtBetween
 from torch import nn
 
 import nantrace
@@ -88,16 +89,20 @@ def run(
     return tr
 
 
-def run_fsdp2(rank: int, out: Path) -> dict[str, Any]:
+def sharded(model: nn.Module) -> nn.Module:
+    """FSDP2 on gloo: ``fully_shard`` on ``fc1``, ``fc2`` and the root, over a mesh of every rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
-    model = Net()
     mesh = init_device_mesh("cpu", (WORLD,))
-    fully_shard(model.fc1, mesh=mesh)
-    fully_shard(model.fc2, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    for m in (model.fc1, model.fc2, model):
+        fully_shard(m, mesh=mesh)
+    return model
+
+
+def run_fsdp2(rank: int, out: Path) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = sharded(Net())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with nantrace.trace(model, optimizer=opt) as tr:
         for step in range(2):
@@ -112,35 +117,14 @@ def run_fsdp2(rank: int, out: Path) -> dict[str, Any]:
     return {"names": [n for n, _ in module_names(model)]}
 
 
-class SqrtBetween(nn.Module):
-    """The root's own code takes ``sqrt(fc1(x) - 1)`` between its submodules: NaN where ``fc1(x) < 1``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 2)
-        with torch.no_grad():
-            self.fc1.weight.fill_(0.5)
-            self.fc1.bias.zero_()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.sqrt(self.fc1(x) - 1.0))
-
-
 def run_own_nan(rank: int, out: Path) -> dict[str, Any]:
     """FSDP2; at step 1 rank 1's batch (0.25: fc1 gives 0.5) makes NaN in the root's own code, rank 0's (2: fc1
     gives 4) does not. A replay of the root on rank 1 alone would all-gather with no partner: nantrace must not
     replay it, under trace (drill-down) or watch (step replay)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     got: dict[str, Any] = {}
     for name, make in (("trace", nantrace.trace), ("watch", nantrace.watch)):
         torch.manual_seed(0)
-        model = SqrtBetween()
-        mesh = init_device_mesh("cpu", (WORLD,))
-        fully_shard(model.fc1, mesh=mesh)
-        fully_shard(model.fc2, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = sharded(SqrtBetween(weight=0.5, shift=1.0))
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         with make(model, optimizer=opt) as tr:
             for step in range(2):
@@ -165,7 +149,7 @@ class AllReduceThenSqrt(SqrtBetween):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = torch.ones(1)
         dist.all_reduce(n)  # every rank adds 1: n = 2
-        return self.fc2(torch.sqrt(self.fc1(x) - 1.0) * (n / 2))
+        return self.fc2(torch.sqrt(self.fc1(x) - self.shift) * (n / 2))
 
 
 def run_all_reduce(rank: int) -> dict[str, Any]:
@@ -173,7 +157,7 @@ def run_all_reduce(rank: int) -> dict[str, Any]:
     drill-down's replay of the root on rank 1 stops at the collective (``NoCollectives``) instead of waiting for
     rank 0."""
     torch.manual_seed(0)
-    model = AllReduceThenSqrt()
+    model = AllReduceThenSqrt(weight=0.5, shift=1.0)
     with nantrace.trace(model) as tr:
         for step in range(2):
             model(torch.full((2, 4), 0.25 if rank == 1 and step == 1 else 2.0)).sum().backward()
