@@ -1,7 +1,7 @@
 """How often the forward drill-down replays module calls on healthy models (nothing non-finite).
 
 A finite call is replayed when the recorded statistics point to a transient inf (``nantrace._drill.Suspects``:
-more zeros out than in, an input beyond the square root of its dtype's max, each at a new high per module),
+more zeros out than in, an input beyond the cube root of its dtype's max, each at a new high per module),
 unless an earlier replay of such a call (same module and input structure, or a leaf module running the same
 code) made no intermediate value
 (``Suspects.skips``: such a signal is *passed over*). This counts, per workload, the drill-downs (``drill_call``)

@@ -19,8 +19,9 @@ A replay re-runs a module call on copies of its inputs and buffers with autograd
 A call is replayed when its output first holds a kind, when a child's input does (its own code made it), or when
 the cheap recorded signals of a finite call point to a transient inf (:class:`Suspects`: more zeros out than
 in, counting for an output that is a child's output the zeros that reached that child; an input beyond the
-square root of its dtype's max), unless an earlier replay of such a call, or of a leaf module running the same
-code (:func:`leaf_key`), made no intermediate value (:class:`Made`), without which no transient inf can exist.
+cube root of its dtype's max, 40.3 in float16), unless an earlier replay of such a call, or of a leaf module
+running the same code (:func:`leaf_key`), made no intermediate value (:class:`Made`), without which no
+transient inf can exist.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ _ORDER = ("posinf", "neginf", "nan")  # of several new kinds, inf is named befor
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _EXAMPLES_DIR = _OWN_DIR + "examples" + os.sep
+# the absmax signal's bound, as a fraction of log2(dtype max): the lowest power an op of the field raises an
+# activation to inside one call is the cube of tanh-GELU's ``x + 0.044715·x³`` (beyond 40.3 in float16 it
+# overflows); squares (norms, variances, ``|a|²·|b|²``) are beyond it too
+_REACH = 1.0 / 3
 
 
 class Stop(Exception):
@@ -370,8 +375,8 @@ def _host_stats(
 
 def headroom_fraction(items: list[tuple[str, Any]], stats_of: Callable[[Any], Any]) -> float | None:
     """The largest ``log2(absmax) / log2(dtype max)`` over the describable float16/bfloat16/float32 tensors of
-    ``items`` (their host statistics, index 2 is ``absmax``): above 0.5 squaring the tensor overflows its
-    dtype. None when a statistic is missing."""
+    ``items`` (their host statistics, index 2 is ``absmax``): above 1/2 squaring the tensor overflows its
+    dtype, above 1/3 cubing it does. None when a statistic is missing."""
     stats = _host_stats(items, stats_of)
     if stats is None:
         return None
@@ -425,10 +430,10 @@ class Suspects:
 
     * its output holds a larger fraction of zeros than its inputs (the silent zeros of ``rsqrt(inf) = 0``,
       ``x / inf = 0``, ``exp(-inf) = 0``);
-    * an input's absmax is beyond the square root of its dtype's max (256 in float16): squaring it, as a norm, a
-      variance, ``pow(x, 3)`` or ``|a|²·|b|²`` does, overflows inside the call, and the backward of such an op
-      (``3·x²`` times a saturated zero gradient) makes NaN. After a replay the module waits for its input's
-      absmax to double (in float16) before the next.
+    * an input's absmax is beyond the cube root of its dtype's max (40.3 in float16): cubing it, as
+      tanh-GELU's ``pow(x, 3)`` does, overflows inside the call, as squaring it beyond 256 does (a norm, a
+      variance, ``|a|²·|b|²``), and the backward of such an op (``3·x²`` times a saturated zero gradient) can
+      make NaN. After a replay the module waits for its input's absmax to double (in float16) before the next.
 
     A signal is passed over (:meth:`skips`) for a call of a module whose earlier replay, with the same inputs'
     structure (:func:`call_key`), made no intermediate floating value (:class:`Made`): every value an op of the
@@ -486,7 +491,7 @@ class Suspects:
         if out is not None:
             self.zero_high[mcode] = max(zeros_high, out)
         reach = headroom_fraction(ins, stats_of)
-        if reach is not None and reach > self.reach_high.get(mcode, 0.5):
+        if reach is not None and reach > self.reach_high.get(mcode, _REACH):
             # the next replay of this module waits for its input absmax to double again (1/16 of float16's
             # 16 exponent bits of range), so a steadily growing activation costs a replay per doubling only
             self.reach_high[mcode] = reach + 1.0 / 16

@@ -219,7 +219,7 @@ class Trace:
     def ops(self) -> pd.DataFrame:
         """Forward drill-down: ``step, micro_step, module, call, op, kind, operands, source, reaches`` for each
         module call where a non-finite kind first appeared in a micro-step, or whose finite output the recorded
-        statistics showed may hide a transient inf (more zeros out than in, an input beyond the square root of
+        statistics showed may hide a transient inf (more zeros out than in, an input beyond the cube root of
         its dtype's max), naming the first torch op inside it that made the kind (found by replaying that call
         on CPU; empty on the ``sync_free`` path). ``operands`` holds that op's operand facts (JSON text),
         ``source`` the user's ``path:line`` that ran it (None when not known, e.g. autocast's cast), and

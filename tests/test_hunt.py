@@ -53,8 +53,8 @@ def test_hand_layernorm_variance_overflow_is_internal_and_named_with_its_line() 
     assert torch.isfinite(out).all() and out.abs().max().item() == 0.0  # finite zeros: nothing to see
     with nantrace.trace(m) as tr:
         m(x)
-    # module boundaries show nothing, but the input beyond sqrt(65504) makes the drill-down replay the call
-    # and name the transient inf that rsqrt turned into zeros (issue 17 kind 3)
+    # module boundaries show nothing, but the input beyond the cube root of 65504 (40.3) makes the drill-down
+    # replay the call and name the transient inf that rsqrt turned into zeros (issue 17 kind 3)
     ov = tr.first_overflow()
     assert ov is not None and (ov.phase, ov.module, ov.tensor, ov.kind) == (
         "forward",

@@ -3,7 +3,7 @@
 The output is finite (``tanh(inf) = 1`` in a tanh-GELU), or silently zero (``rsqrt(inf) = 0`` in an RMSNorm
 without a float32 upcast, ``x / inf = 0`` in a cosine similarity or a cumsum-normalised sequence). The drill-down
 replays such a call at op level when the recorded statistics point to it (more zeros out than in, or an input
-beyond the square root of its dtype's max) and names the op that made the inf, with its source line, as the
+beyond the cube root of its dtype's max) and names the op that made the inf, with its source line, as the
 producer, when the inf changed what the call computed. A value that a selection discards is not a forward
 fault; the backward NaN it makes names the forward op."""
 
@@ -103,9 +103,9 @@ def _full(value: float, rows: int = 2) -> torch.Tensor:
 
 
 def test_tanh_gelu_pow_inf_saturated_by_tanh_is_the_producer() -> None:
-    """x = 300: x³ is inf, tanh(inf) = 1, the output is a finite 300 (the input beyond sqrt(65504) = 256 is
-    the recorded signal); the backward's 3·x² = inf times tanh's zero gradient is NaN. The producer is the
-    forward `pow`, kind inf, at its line."""
+    """x = 300: x³ is inf, tanh(inf) = 1, the output is a finite 300 (the input beyond the cube root of
+    65504, 40.3, is the recorded signal); the backward's 3·x² = inf times tanh's zero gradient is NaN. The
+    producer is the forward `pow`, kind inf, at its line."""
     tr, out = _run(TanhGELU(), _full(300.0))
     assert bool(torch.isfinite(out).all()) and float(out.max()) == 300.0
     rec = tr.records
@@ -117,6 +117,32 @@ def test_tanh_gelu_pow_inf_saturated_by_tanh_is_the_producer() -> None:
     assert (
         f"produced +inf in `pow` at {_line(TanhGELU)} inside its forward (float16), from finite inputs (input absmax 300)"
         in str(ov)
+    )
+
+
+@pytest.mark.parametrize(("value", "named"), [(50.0, True), (40.0, False)], ids=["x50", "x40"])
+def test_tanh_gelu_pow_inf_below_the_square_root_is_found_from_the_cube_root(
+    monkeypatch: pytest.MonkeyPatch, value: float, named: bool
+) -> None:
+    """x = 50, below sqrt(65504) = 256 but beyond its cube root 40.3: x³ = 125000 is inf, tanh(inf) = 1, the
+    output is a finite 50. The input's absmax is the signal: the identity Linear (input 50, nothing found) and
+    the TanhGELU (its `pow` named) are replayed; the root, whose input is 50 too, is not: it holds a call that
+    named a transient value. The backward stays finite (3·x² = 7500 times tanh's zero gradient is 0). x = 40:
+    x³ = 64000 < 65504, no inf and no input beyond 40.3: nothing is replayed, nothing named."""
+    replays, _ = _count_replays(monkeypatch)
+    tr, out = _run(TanhGELU(), _full(value))
+    assert bool(torch.isfinite(out).all()) and float(out.max()) == value
+    assert tr.first_overflow(kind="nan") is None
+    if not named:
+        assert replays == [] and len(tr.ops) == 0 and tr.first_overflow() is None
+        return
+    assert replays == [("Linear", 0), ("TanhGELU", 0)]
+    ov = tr.first_overflow()
+    assert _where(ov) == (0, "forward", "inner", 0, "output", "inf")
+    assert _ops(tr) == [["inner", 0, "pow", "posinf", _line(TanhGELU), True]]
+    assert (
+        f"produced +inf in `pow` at {_line(TanhGELU)} inside its forward (float16), from finite inputs "
+        "(input absmax 50)" in str(ov)
     )
 
 
@@ -307,8 +333,8 @@ _COLS = ["step", "micro_step", "phase", "module", "call", "tensor", "absmax", "n
 
 
 def test_a_healthy_model_is_never_replayed_and_gets_no_extra_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No input beyond sqrt(65504) = 256 and no call with more zeros out than in: no replay, no ops row, and
-    the records are the same rows as with ``drill=False``."""
+    """No input beyond the cube root of 65504 (40.3) and no call with more zeros out than in: no replay, no
+    ops row, and the records are the same rows as with ``drill=False``."""
     calls, on, off = _healthy(monkeypatch, nn.Tanh())
     assert calls == [] and len(on.ops) == 0 and on.first_overflow() is None
     pd.testing.assert_frame_equal(on.records[_COLS], off.records[_COLS])
@@ -885,16 +911,17 @@ def test_a_container_whose_output_is_its_dropouts_is_not_replayed(
 
 
 class NormThenDrop(nn.Module):
-    """``dropout(h · rsqrt(sum(h²)))``, no float32 upcast: a row of 100s makes sum(h²) = 80000 > 65504, so the
-    sum is inf and ``rsqrt(inf) = 0`` turns the row into zeros before the Dropout (100 is below sqrt(65504):
-    no input is beyond the headroom signal's bound, only the zeros signal can see it)."""
+    """``dropout(h · rsqrt(sum(h²)))`` with ``h = 4 · fc(x)``, no float32 upcast: a row of 25s makes h = 100
+    and sum(h²) = 80000 > 65504, so the sum is inf and ``rsqrt(inf) = 0`` turns the row into zeros before the
+    Dropout (25 is below the cube root of 65504, 40.3: no input is beyond the absmax signal's bound, only the
+    zeros signal can see it)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc, self.drop = _eye(), nn.Dropout(0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
+        h = self.fc(x) * 4.0
         return self.drop(h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True)))
 
 
@@ -906,7 +933,7 @@ def test_zeros_made_before_the_child_still_replay_the_container_and_name_the_op(
     replays, _ = _count_replays(monkeypatch)
     torch.manual_seed(0)
     m = Leaf(NormThenDrop()).half()
-    x = _full(100.0)
+    x = _full(25.0)
     x[1] = 1.0
     with nantrace.trace(m) as tr:
         m(x).float().sum().backward()
@@ -921,15 +948,18 @@ class Prod(nn.Module):
 
 
 class TwoIn(nn.Module):
-    """``prod(x · rsqrt(sum(x²)), |x| + 1)``, no float32 upcast: row 0 of 100s becomes zeros (sum 80000 > 65504,
-    ``rsqrt(inf) = 0``) before the two-input child ``prod``, whose second input holds no zero."""
+    """``prod(h · rsqrt(sum(h²)), |x| + 1)`` with ``h = 4 · x``, no float32 upcast: row 0 of 25s (h = 100)
+    becomes zeros (sum 80000 > 65504, ``rsqrt(inf) = 0``) before the two-input child ``prod``, whose second
+    input holds no zero (no input of a call is beyond 40.3, the cube root of 65504: only the zeros signal
+    fires)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.prod = Prod()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True))
+        h = x * 4.0
+        a = h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True))
         return self.prod(a, x.abs() + 1.0)
 
 
@@ -940,13 +970,13 @@ def test_a_child_with_two_inputs_passes_up_no_zeros(monkeypatch: pytest.MonkeyPa
     nothing up and the container counts its output's own zeros (16 of 24): replayed, `sum` named."""
     replays, _ = _count_replays(monkeypatch)
     x = torch.zeros(3, 8, dtype=torch.float16)
-    x[0] = 100.0
+    x[0] = 25.0
     x[1:, 4:] = 1.0
     m = Leaf(TwoIn()).half()
     with nantrace.trace(m) as tr:
         m(x).float().sum().backward()
     assert replays == [("Prod", 0), ("TwoIn", 0)]
-    assert _ops(tr) == [["inner", 0, "sum", "posinf", _line(TwoIn, 1), True]]
+    assert _ops(tr) == [["inner", 0, "sum", "posinf", _line(TwoIn, 2), True]]
 
 
 @pytest.mark.parametrize(
