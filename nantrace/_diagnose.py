@@ -98,8 +98,9 @@ backoff before the growth is not it. A ``gradient_underflow`` in a trace that ho
 
 Update-to-weight ratio
 ----------------------
-Estimated from consecutive ``optimizer``-phase rows of the same parameter: ``|absmax_t - absmax_{t-1}| /
-absmax_{t-1}`` (:func:`update_ratios`), a lower bound on ``max|Δw| / max|w|``; healthy training is about 1e-3.
+Estimated from consecutive ``optimizer``-phase rows of the same parameter: ``|absmax_t - absmax_p| / (t - p) /
+absmax_p`` for the step ``p`` it was recorded before (:func:`update_ratios`; a change per step under ``every=N``
+and ``watch`` too), a lower bound on ``max|Δw| / max|w|``; healthy training is about 1e-3.
 Parameters are recorded only when ``optimizer=`` is given to ``nantrace.trace``. ``lr`` and ``grad_norm`` from
 ``steps`` are reported alongside as evidence.
 """

@@ -305,19 +305,21 @@ def finite_absmax(rows: pd.DataFrame, col: str = "absmax") -> float:
 def update_ratios(records: pd.DataFrame) -> pd.DataFrame:
     """Per step and parameter, the update-to-weight ratio estimated from ``optimizer``-phase rows.
 
-    ``ratio = |absmax_t - absmax_{t-1}| / absmax_{t-1}``, where ``absmax_t`` is the parameter's largest finite
-    ``|w|`` after ``optimizer.step()`` of step ``t`` (a lower bound on ``max|Δw| / max|w|``; healthy training
-    is about 1e-3, :data:`HEALTHY_UPDATE_RATIO`). Needs ``optimizer=`` in ``nantrace.trace``; the first
-    recorded step of each parameter has no ratio.
+    ``ratio = |absmax_t - absmax_p| / (t - p) / absmax_p``, where ``absmax_t`` is the parameter's largest
+    finite ``|w|`` after ``optimizer.step()`` of step ``t`` and ``p`` the step it was recorded before (``gap =
+    t - p`` steps: 1 under full tracing, ``every`` and more on light or watched steps, so the ratio is a change
+    per step whatever was recorded in between). It is a lower bound on the mean ``max|Δw| / max|w|`` of the
+    steps between; healthy training is about 1e-3, :data:`HEALTHY_UPDATE_RATIO`. Needs ``optimizer=`` in
+    ``nantrace.trace``; the first recorded step of each parameter has no ratio.
 
     Args:
         records: a trace's ``records``.
 
     Returns:
-        DataFrame ``step, module, tensor, absmax_before, absmax, ratio`` (one row per parameter and step from
-        its second recording on; empty when no parameter was recorded twice).
+        DataFrame ``step, module, tensor, gap, absmax_before, absmax, ratio`` (one row per parameter and step
+        from its second recording on; ``gap`` in steps, int64; empty when no parameter was recorded twice).
     """
-    cols = ["step", "module", "tensor", "absmax_before", "absmax", "ratio"]
+    cols = ["step", "module", "tensor", "gap", "absmax_before", "absmax", "ratio"]
     opt = records[records["phase"].astype(str) == "optimizer"]
     if len(opt) == 0:
         return pd.DataFrame(columns=cols)
@@ -331,12 +333,16 @@ def update_ratios(records: pd.DataFrame) -> pd.DataFrame:
     )
     # one value per (parameter, step): the last recording of the step
     df = df.groupby(["module", "tensor", "step"], sort=True).last().reset_index()
-    df["absmax_before"] = df.groupby(["module", "tensor"])["absmax"].shift(1)
+    by = df.groupby(["module", "tensor"])
+    df["absmax_before"] = by["absmax"].shift(1)
+    df["gap"] = df["step"] - by["step"].shift(1)
     df = df.dropna(subset=["absmax_before"])
+    df["gap"] = df["gap"].astype(np.int64)
     with np.errstate(divide="ignore", invalid="ignore"):
         before = df["absmax_before"].to_numpy(dtype=np.float64)
         after = df["absmax"].to_numpy(dtype=np.float64)
-        ratio = np.where(before > 0, np.abs(after - before) / before, np.nan)
+        gap = df["gap"].to_numpy(dtype=np.float64)
+        ratio = np.where(before > 0, np.abs(after - before) / gap / before, np.nan)
     df = df.assign(ratio=ratio)
     return df[cols].sort_values(["step", "module", "tensor"]).reset_index(drop=True)
 
@@ -559,7 +565,12 @@ def divergence(
         ev.append(
             f"loss {verb} {num(lt.first)} (step {lt.first_step}) → {num(lt.last)} (step {lt.last_step}) "
             f"(×{num(lt.growth)})"
-            + ("" if loss_ok else ": it had not risen yet, the growth is in the activations")
+            + (
+                ""
+                if loss_ok
+                else f": the loss had not diverged yet (that takes ×{num(loss_growth_needed)} or more, rising in "
+                "half the steps); the growth is in the activations"
+            )
         )
     if not math.isnan(ratio):
         ev.append(
@@ -602,7 +613,7 @@ def fast_updates(run: Facts) -> DivergenceFacts | None:
     if not len(ur):
         return None
     # weighted by size: a parameter that starts near 0 (a zero-initialised bias) has a large ratio of its own
-    change = (ur["absmax"] - ur["absmax_before"]).abs().groupby(ur["step"]).sum()
+    change = ((ur["absmax"] - ur["absmax_before"]).abs() / ur["gap"]).groupby(ur["step"]).sum()
     size = ur["absmax_before"].groupby(ur["step"]).sum()
     ratios = (change / size).sort_index()
     ratio = float(ratios.median())

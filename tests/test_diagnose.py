@@ -478,6 +478,27 @@ def test_divergence_too_high_lr_grows_until_forward_overflow() -> None:
     assert set(ratios.columns) >= {"step", "module", "tensor", "ratio"} and ratios["ratio"].median() > 1
 
 
+@pytest.mark.parametrize("every", [1, 2, 4])
+def test_update_ratio_is_a_change_per_step_whatever_the_steps_between_recordings(every: int) -> None:
+    # SGD on sum(w · 1) moves every weight by lr = 2**-7 per step, exactly in float32, from w = 1
+    m = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        m.weight.fill_(1.0)
+    opt = torch.optim.SGD(m.parameters(), lr=2**-7)
+    with nantrace.trace(m, optimizer=opt, every=every) as tr:
+        for _ in range(9):
+            opt.zero_grad()
+            loss = m(torch.ones(1, 4)).sum()
+            loss.backward()
+            tr.step(loss=loss)
+            opt.step()
+    ur = update_ratios(tr.records)
+    assert ur["step"].tolist() == list(range(every, 9, every))
+    assert ur["gap"].tolist() == [every] * len(ur)
+    assert ur["absmax"].tolist() == [1 - (s + 1) * 2**-7 for s in ur["step"]]
+    assert ur["ratio"].tolist() == pytest.approx((2**-7 / ur["absmax_before"]).tolist(), rel=1e-12)
+
+
 def test_one_outlier_batch_after_stable_training_is_forward_overflow_not_divergence() -> None:
     tr = _diverging(lr=1e-3, steps=6, spike_at=5)
     ov = tr.first_overflow()

@@ -483,8 +483,8 @@ def test_the_demos_diagnosis_names_the_learning_rate_and_its_warmup() -> None:
     assert "The loop already warms up (lr 0.028 at step 19 → 0.042 at step 26)" in d.advice[0]
     assert not any("sqrt(head_dim)" in a for a in d.advice)  # the model already scales its scores
     assert (
-        "loss went 3.268 (step 19) → 3.104 (step 26) (×0.9499): it had not risen yet, the growth is in the "
-        "activations"
+        "loss went 3.268 (step 19) → 3.104 (step 26) (×0.9499): the loss had not diverged yet (that takes ×2 or "
+        "more, rising in half the steps); the growth is in the activations"
     ) in d.evidence
 
 
