@@ -338,14 +338,15 @@ class Recorder:
         parent: int,
     ) -> None:
         """Record the gradients of the tensors of ``items`` that will receive one, named with ``head``
-        (``grad_input``/``grad_output``) in place of ``input``/``output``. One tensor hook per tensor: one call's
-        output that is the next call's input gets a second target on the first's hook, when it is unchanged since
-        (same version: an in-place op gives it a new gradient function). Tensor hooks run in the order they were
-        registered, so when a hook of the user's was registered on the tensor after nantrace's last one (it may
-        change the gradient), the targets are split: a consumer's ``grad_input`` stays on the first hook (the
-        gradient its backward made, before the user's hooks) and a producer's ``grad_output`` moves to a new hook
-        registered after the user's (the gradient that reached the producer). The hook is a ``functools.partial``
-        of one method wrapped by :func:`eager` once per recorder (a new wrapper per tensor cost ~5 µs)."""
+                (``grad_input``/``grad_output``) in place of ``input``/``output``. One tensor hook per tensor: one call's
+                output that is the next call's input gets a second target on the first's hook, when it is unchanged since
+                (same version: an in-place op gives it a new gradient function). Tensor hooks run in the order they were
+                registered, so when a hook of the user's was registered on the tensor after nantrace's last one (it may
+                change the gradient), the targets are split: a consumer's ``grad_input`` stays on the first hook (the
+                gradient its backward made, before the user's hooks) and a producer's ``grad_output`` moves to a new hook
+                registered after the user's (the gradient that reached the producer). A consumer's new hook on a tensor that
+        already has the user's hooks runs before them (:func:`_run_first`). The hook is a ``functools.partial``
+                of one method wrapped by :func:`eager` once per recorder (a new wrapper per tensor cost ~5 µs)."""
         if phase == "loss":  # the root forward's end: the user's hooks on watched tensors are all registered
             _settle_grads(self)
         if phase not in self.phases or not torch.is_grad_enabled():
@@ -360,6 +361,8 @@ class Recorder:
                 targets = [target]
                 h = t.register_hook(functools.partial(self._on_grads, targets))
                 self.tensor_handles.append(h)
+                if head == "grad_input":
+                    _run_first(t, h.id)
                 self.grad_targets[id(t)] = [weakref.ref(t), t._version, targets, targets, h.id]
                 continue
             if head == "grad_output":
@@ -580,6 +583,21 @@ def _after_user_hooks(
     h = t.register_hook(functools.partial(rec._on_grads, moved))
     rec.tensor_handles.append(h)
     hit[3], hit[4] = moved, h.id
+
+
+def _run_first(t: torch.Tensor, hid: int) -> None:
+    """Move nantrace's tensor hook ``hid`` before the hooks already registered on ``t`` (the user's, registered
+    before the consumer ran, e.g. on an intermediate the root's code passes to a submodule): a consumer's
+    ``grad_input`` row is the gradient its backward made, not what the user's hooks return. Tensor hooks run in
+    the order of ``t._backward_hooks``; nantrace's return None, so the user's still see the same gradient, and
+    every handle removes its own entry as before."""
+    hooks = getattr(t, "_backward_hooks", None)
+    if not hooks or len(hooks) < 2 or next(iter(hooks)) == hid:
+        return
+    items = list(hooks.items())
+    hooks.clear()  # re-inserted (not move_to_end): autograd walks the dict's own order
+    hooks[hid] = dict(items)[hid]
+    hooks.update((k, v) for k, v in items if k != hid)
 
 
 def _last_hook(t: torch.Tensor) -> int | None:

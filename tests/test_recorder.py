@@ -728,18 +728,19 @@ def test_inplace_relu_after_linear() -> None:
 
 class UserHookBetween(nn.Module):
     """fc's output gets a user tensor hook (``times`` its gradient) before head takes it as input
-    (``after=True``: after head ran)."""
+    (``after=True``: after head ran; ``copy=True``: on ``fc(x) * 1.0``, an intermediate of the root's code
+    that no module returned)."""
 
-    def __init__(self, times: float = 2.0, after: bool = False) -> None:
+    def __init__(self, times: float = 2.0, after: bool = False, copy: bool = False) -> None:
         super().__init__()
         self.fc = _planted_linear()
         self.head = nn.Linear(2, 1, bias=False)
-        self.times, self.after = times, after
+        self.times, self.after, self.copy = times, after, copy
         with torch.no_grad():
             self.head.weight.copy_(torch.tensor([[2.0, -1.0]]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
+        h = self.fc(x) * 1.0 if self.copy else self.fc(x)
         if not self.after:
             h.register_hook(lambda g: g * self.times)
         out = self.head(h)
@@ -776,15 +777,20 @@ def test_one_tensor_hook_per_tensor_passed_between_modules() -> None:
     assert_stats(one(rec, phase="backward", module="head", tensor="grad_input[0]"), g)
 
 
-@pytest.mark.parametrize("after", [False, True], ids=["before_head", "after_head"])
+@pytest.mark.parametrize(
+    ("after", "copy"),
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["before_head", "after_head", "on_an_intermediate_before_head", "on_an_intermediate_after_head"],
+)
 def test_a_user_hook_between_modules_changes_what_reaches_the_producer_not_what_the_consumer_made(
-    after: bool,
+    after: bool, copy: bool
 ) -> None:
-    """A user hook on fc's output doubles its gradient, registered before head takes it or after head ran:
-    head's grad_input is what head's backward made (g), fc's grad_output what reached fc after the user's hook
-    (2g), and fc's parameter gradients agree with 2g. Tensor hooks run in registration order, so nantrace's
-    producer row moves to a hook after the user's."""
-    m = UserHookBetween(after=after)
+    """A user hook on fc's output (or on ``fc(x) * 1.0``) doubles its gradient, registered before head takes it
+    or after head ran: head's grad_input is what head's backward made (g), fc's grad_output what reached fc
+    after the user's hook (2g), and fc's parameter gradients agree with 2g. Tensor hooks run in registration
+    order, so nantrace's producer row moves to a hook after the user's, and head's consumer hook on a tensor
+    that already has the user's hook runs before it."""
+    m = UserHookBetween(after=after, copy=copy)
     x = torch.tensor([[1.0, 0.0, 2.0], [-1.0, 3.0, 1.0]])
     with nantrace.trace(m) as tr:
         m(x).sum().backward()
@@ -796,13 +802,15 @@ def test_a_user_hook_between_modules_changes_what_reaches_the_producer_not_what_
     assert m.fc.bias.grad.tolist() == [8.0, -4.0]  # the sum over the batch of 2g: the user's hook took effect
 
 
-def test_an_inf_a_user_hook_writes_between_modules_is_the_parents_code() -> None:
-    """A user hook on fc's output that multiplies its gradient by inf: head's backward made a finite gradient,
-    the infs (±: g has both signs) are first seen in what reached fc, so the producer is the code of the model that registered the hook
-    (the root's backward), not head's; watch's replay names the same."""
+@pytest.mark.parametrize("copy", [False, True], ids=["on_fcs_output", "on_an_intermediate"])
+def test_an_inf_a_user_hook_writes_between_modules_is_the_parents_code(copy: bool) -> None:
+    """A user hook on fc's output (or on ``fc(x) * 1.0``) that multiplies its gradient by inf: head's backward
+    made a finite gradient, the infs (±: g has both signs) are first seen in what reached fc, so the producer
+    is the code of the model that registered the hook (the root's backward), not head's; watch's replay names
+    the same."""
     answers = []
     for make in (nantrace.trace, nantrace.watch):
-        m = UserHookBetween(times=math.inf)
+        m = UserHookBetween(times=math.inf, copy=copy)
         x = torch.tensor([[1.0, 0.0, 2.0], [-1.0, 3.0, 1.0]])
         with make(m) as tr:
             m(x).sum().backward()
@@ -810,6 +818,39 @@ def test_an_inf_a_user_hook_writes_between_modules_is_the_parents_code() -> None
         assert ov is not None
         answers.append((ov.step, ov.phase, ov.module, ov.module_type, ov.tensor, ov.kind))
     assert answers[0] == answers[1] == (0, "backward", "", "UserHookBetween", "fc.grad_output[0]", "inf")
+
+
+class HookInside(nn.Module):
+    """A submodule whose own forward registers a hook (times inf) on ``x * 1.0`` before its child ``l`` takes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1.0
+        h.register_hook(lambda g: g * math.inf)
+        return self.l(h)
+
+
+def test_an_inf_a_submodules_own_hook_writes_is_that_submodules_code_not_its_childs() -> None:
+    """``inner``'s forward hooks the input of its child ``l``: l's grad_input is what l's backward made
+    (finite), the inf is first seen in inner's grad_input, so the producer is inner, under trace and watch."""
+    answers = []
+    for make in (nantrace.trace, nantrace.watch):
+        m = nn.Sequential(_planted_linear(), HookInside())
+        x = torch.tensor([[1.0, 0.0, 2.0], [-1.0, 3.0, 1.0]])
+        with make(m) as tr:
+            m(x).sum().backward()
+        ov = tr.first_overflow()
+        assert ov is not None
+        answers.append((ov.step, ov.phase, ov.module, ov.module_type, ov.tensor, ov.kind))
+        if make is nantrace.trace:
+            assert_stats(
+                one(tr.records, phase="backward", module="1.l", tensor="grad_input[0]"),
+                m[1].l.weight.expand(2, 2),
+            )
+    assert answers[0] == answers[1] == (0, "backward", "1", "HookInside", "grad_input[0]", "inf")
 
 
 class Shared(nn.Module):
