@@ -87,24 +87,28 @@ def _user_stacklevel() -> int:
 def _got(obj: Any, base: type) -> str:
     """What a wrong argument was, in words: a class of the right kind passed instead of an instance says so."""
     if isinstance(obj, type):
-        kind = "a subclass of " + base.__name__ if issubclass(obj, base) else "a class"
-        return f"the class {obj.__name__} itself ({kind}), not an instance: pass the object your loop uses"
+        if issubclass(obj, base):
+            return f"the class {obj.__name__} itself, not an instance of it"
+        return f"the class {obj.__name__}, which is not a {base.__name__}"
     return type(obj).__name__
 
 
 def _check_objects(model: Any, scaler: Any, optimizer: Any) -> None:
     if not isinstance(model, nn.Module):
         got = _got(model, nn.Module) if isinstance(model, type) else f"{type(model).__name__}: {model!r:.80}"
-        raise TypeError(f"model must be a torch.nn.Module; got {got}")
+        raise TypeError(
+            f"model must be a torch.nn.Module; got {got}. Pass the model object your loop calls (e.g. model = Net())."
+        )
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(
             f"scaler must be a torch.amp.GradScaler (or None); got {_got(scaler, torch.amp.GradScaler)}. "
-            "Pass the GradScaler your loop calls scale()/step()/update() on."
+            "Pass the GradScaler object your loop calls scale()/step()/update() on (e.g. scaler = "
+            "torch.amp.GradScaler('cuda'))."
         )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer (or None); got {_got(optimizer, torch.optim.Optimizer)}. "
-            "Pass the optimizer your loop calls step() on."
+            "Pass the optimizer object your loop calls step() on (e.g. opt = torch.optim.AdamW(model.parameters()))."
         )
 
 

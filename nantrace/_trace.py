@@ -544,7 +544,8 @@ def watch(
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         wrong_type = isinstance(every, bool) or not isinstance(every, int)
         raise (TypeError if wrong_type else ValueError)(
-            f"every must be None (no periodic full step) or an int ≥ 1 (a full step every N steps); got {every!r}"
+            f"every must be None (no periodic full step) or an int ≥ 1 (a full step every N steps); got {every!r}. "
+            f"Pass e.g. every={DEFAULT_EVERY} (the default), or every=None for only the replayed steps."
         )
     unknown = sorted(set(options) - set(TraceOptions.names()))
     if unknown:

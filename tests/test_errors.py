@@ -83,16 +83,18 @@ def test_a_class_passed_for_an_instance_is_named_as_such() -> None:
     m = model()
     msg = check(TypeError, lambda: trace(m, scaler=torch.amp.GradScaler), names="scaler", m=m)
     assert msg == (
-        "scaler must be a torch.amp.GradScaler (or None); got the class GradScaler itself (a subclass of "
-        "GradScaler), not an instance: pass the object your loop uses. Pass the GradScaler your loop calls "
-        "scale()/step()/update() on."
+        "scaler must be a torch.amp.GradScaler (or None); got the class GradScaler itself, not an instance of it. "
+        "Pass the GradScaler object your loop calls scale()/step()/update() on (e.g. scaler = "
+        "torch.amp.GradScaler('cuda'))."
     )
     msg = check(TypeError, lambda: nantrace.watch(m, optimizer=torch.optim.AdamW), names="optimizer", m=m)
-    assert "got the class AdamW itself (a subclass of Optimizer), not an instance" in msg
+    assert "got the class AdamW itself, not an instance of it. Pass the optimizer object" in msg
+    msg = check(TypeError, lambda: trace(m, scaler=torch.optim.AdamW), names="scaler", m=m)
+    assert "got the class AdamW, which is not a GradScaler. Pass the GradScaler object" in msg
     msg = check(TypeError, lambda: trace(nn.Linear), names="model")
     assert msg == (
-        "model must be a torch.nn.Module; got the class Linear itself (a subclass of Module), not an instance: "
-        "pass the object your loop uses"
+        "model must be a torch.nn.Module; got the class Linear itself, not an instance of it. Pass the model "
+        "object your loop calls (e.g. model = Net())."
     )
 
 

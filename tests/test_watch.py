@@ -484,8 +484,12 @@ def test_a_watched_step_copies_twice_and_an_optimizer_fault_is_named_as_before(
     ("every", "error"), [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)]
 )
 def test_watch_every_must_be_a_positive_int_or_none(every: Any, error: type[Exception]) -> None:
-    with pytest.raises(error, match="every must be None"):
+    with pytest.raises(error) as e:
         nantrace.watch(nn.Linear(1, 1), every=every)
+    assert str(e.value) == (
+        "every must be None (no periodic full step) or an int ≥ 1 (a full step every N steps); got "
+        f"{every!r}. Pass e.g. every=100 (the default), or every=None for only the replayed steps."
+    )
 
 
 def test_watch_saves_and_loads_with_its_steps_column(tmp_path: Any) -> None:
