@@ -600,7 +600,7 @@ def divergence(
     elif loss_ok or lt is None:
         grew = "activations and weights grew"
     else:
-        grew = "activations grew with fast weight updates (the loss had not risen yet)"
+        grew = "activations grew with fast weight updates (the loss had not diverged yet)"
     return DivergenceFacts(True, ev, lr, ratio, warmup_of(run, steps), steady, grew, t.last_step)
 
 
