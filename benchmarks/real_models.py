@@ -26,7 +26,15 @@ def _hf(name: str) -> Workload:
     import transformers as tf
 
     torch.manual_seed(0)
-    common = dict(vocab_size=1000, max_position_embeddings=128)
+    # BERT and RoBERTa: the same encoder shape
+    enc = dict(
+        num_hidden_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        intermediate_size=512,
+        vocab_size=1000,
+        max_position_embeddings=128,
+    )
     if name == "gpt2":
         model: nn.Module = tf.GPT2LMHeadModel(
             tf.GPT2Config(
@@ -40,22 +48,9 @@ def _hf(name: str) -> Workload:
             )
         )
     elif name == "bert":
-        model = tf.BertForMaskedLM(
-            tf.BertConfig(
-                num_hidden_layers=2, hidden_size=128, num_attention_heads=4, intermediate_size=512, **common
-            )
-        )
+        model = tf.BertForMaskedLM(tf.BertConfig(**enc))
     else:
-        model = tf.RobertaForMaskedLM(
-            tf.RobertaConfig(
-                num_hidden_layers=2,
-                hidden_size=128,
-                num_attention_heads=4,
-                intermediate_size=512,
-                pad_token_id=1,
-                **common,
-            )
-        )
+        model = tf.RobertaForMaskedLM(tf.RobertaConfig(pad_token_id=1, **enc))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(3, 1000, (4, 64))
 

@@ -395,6 +395,12 @@ def series_of(values: Mapping[int, float], steps: Sequence[int]) -> pd.Series:
     return s[np.isfinite(s.to_numpy()) & (s.to_numpy() > 0)]
 
 
+def last_lr(run: Facts, steps: Sequence[int]) -> tuple[float, int | None]:
+    """The last finite, positive learning rate recorded at ``steps`` and its step; ``(nan, None)`` when none."""
+    lrs = series_of(run.lr, steps)
+    return (float(lrs.iloc[-1]), int(lrs.index[-1])) if len(lrs) else (math.nan, None)
+
+
 def largest_jump(series: pd.Series) -> tuple[float, int, int]:
     """The largest one-step growth factor of ``series`` and the two steps it is between."""
     v = series.to_numpy(dtype=np.float64)
@@ -464,10 +470,9 @@ def short_divergence(run: Facts, before: int) -> DivergenceFacts | None:
             f"update-to-weight ratio at step {int(ratios.index[-1])}: {num(ratio)} ({num(ratio / HEALTHY_UPDATE_RATIO)}× "
             f"the healthy {HEALTHY_UPDATE_RATIO:g})"
         )
-    lrs = series_of(run.lr, steps)
-    lr = float(lrs.iloc[-1]) if len(lrs) else math.nan
-    if not math.isnan(lr):
-        ev.append(f"learning rate {num(lr)} at step {int(lrs.index[-1])}")
+    lr, lr_step = last_lr(run, steps)
+    if lr_step is not None:
+        ev.append(f"learning rate {num(lr)} at step {lr_step}")
     grew = " and ".join(
         w
         for w, ok in (("the loss", len(loss) >= 2 and lj > 1), ("the gradient norm", len(gn) >= 2 and gj > 1))
@@ -591,9 +596,8 @@ def divergence(
             f"weight absmax went {num(wt.first)} (step {wt.first_step}) → {num(wt.last)} (step {wt.last_step}) "
             f"(×{num(wt.growth)}){shape}"
         )
-    lrs = series_of(run.lr, steps)
-    lr = float(lrs.iloc[-1]) if len(lrs) else math.nan
-    if not math.isnan(lr):
+    lr, lr_step = last_lr(run, steps)
+    if lr_step is not None:
         ev.append(f"learning rate {num(lr)}" + grad_norm_text(run.grad_norm, steps))
     if quiet:
         grew = "the loss and the weights grow fast"
@@ -637,9 +641,8 @@ def fast_updates(run: Facts) -> DivergenceFacts | None:
         ev.append(f"loss {shown}")
     else:
         ev.append("loss not recorded")
-    lrs = series_of(run.lr, steps)
-    lr = float(lrs.iloc[-1]) if len(lrs) else math.nan
-    ev.append(f"learning rate {num(lr)}" if not math.isnan(lr) else "learning rate not recorded")
+    lr, lr_step = last_lr(run, steps)
+    ev.append(f"learning rate {num(lr)}" if lr_step is not None else "learning rate not recorded")
     grew = "each update changes the weights by a tenth of their size or more"
     return DivergenceFacts(True, ev, lr, ratio, warmup_of(run, steps), grew=grew, last_step=last)
 

@@ -15,9 +15,10 @@ import base64
 import json
 import os
 import platform
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pandas as pd
 import torch
@@ -30,6 +31,7 @@ from ._store import canonical_records, canonical_steps, category_index, segment_
 __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
+    "HeaderSource",
     "footer",
     "joined_records",
     "make_header",
@@ -77,23 +79,36 @@ def from_ipc(text: str) -> pd.DataFrame:
     return df
 
 
-def make_header(
-    *,
-    model_class: str,
-    options: dict[str, Any],
-    records: pd.DataFrame,
-    rank: int | None,
-    world_size: int,
-    run_id: str | None,
-    bad_samples: Any = (),
-    builtin_modules: Any = None,
-    untraced_modules: Any = None,
-) -> dict[str, Any]:
-    """The JSON header of a trace file (``saved_at`` is now). ``bad_samples``: rows ``(rank, step, micro_step,
-    tensor, n_bad, first indices)`` of the model inputs that held inf/NaN (:mod:`nantrace._samples`).
-    ``builtin_modules``: the traced modules that run torch's own ``forward`` (None: not known), which the
-    explanations read, so a loaded trace words them as the live one did; ``untraced_modules``: the modules a
-    ``modules=`` filter left out (empty without a filter; None: not known)."""
+class HeaderSource(Protocol):
+    """What a trace file's header says of its run: a live ``Recording`` and a view's ``RunMeta`` both have it.
+
+    ``bad_samples``: rows ``(rank, step, micro_step, tensor, n_bad, first indices)`` of the model inputs that held
+    inf/NaN (:mod:`nantrace._samples`). ``builtin_modules``: the traced modules that run torch's own ``forward``
+    (None: not known), which the explanations read, so a loaded trace words them as the live one did;
+    ``untraced_modules``: the modules a ``modules=`` filter left out (empty without a filter; None: not known).
+    """
+
+    @property
+    def model_class(self) -> str: ...
+    @property
+    def options(self) -> dict[str, Any]: ...
+    @property
+    def rank(self) -> int | None: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def run_id(self) -> str | None: ...
+    @property
+    def bad_samples(self) -> Iterable[Sequence[Any]]: ...
+    @property
+    def builtin_modules(self) -> Iterable[str] | None: ...
+    @property
+    def untraced_modules(self) -> Iterable[str] | None: ...
+
+
+def make_header(run: HeaderSource, records: pd.DataFrame) -> dict[str, Any]:
+    """The JSON header of a trace file of ``run`` whose rows are ``records`` (only its ``dtype`` column is read;
+    ``saved_at`` is now)."""
     from ._version import __version__
 
     return {
@@ -101,17 +116,17 @@ def make_header(
         "nantrace": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "model_class": model_class,
+        "model_class": run.model_class,
         "dtypes": sorted({str(d) for d in records["dtype"].astype(str).unique()}) if len(records) else [],
-        "options": options,
-        "rank": rank,
-        "world_size": world_size,
+        "options": run.options,
+        "rank": run.rank,
+        "world_size": run.world_size,
         # shared by every rank of one distributed recording (None in a single process): see nantrace._procgroup
-        "run_id": run_id,
+        "run_id": run.run_id,
         "saved_at": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
-        "bad_samples": [[r, s, m, p, n, list(f)] for r, s, m, p, n, f in bad_samples],
-        "builtin_modules": None if builtin_modules is None else sorted(builtin_modules),
-        "untraced_modules": None if untraced_modules is None else sorted(untraced_modules),
+        "bad_samples": [[r, s, m, p, n, list(f)] for r, s, m, p, n, f in run.bad_samples],
+        "builtin_modules": None if run.builtin_modules is None else sorted(run.builtin_modules),
+        "untraced_modules": None if run.untraced_modules is None else sorted(run.untraced_modules),
     }
 
 

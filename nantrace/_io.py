@@ -46,17 +46,7 @@ def save_view(view: RunView, path: str | os.PathLike[str], *, recording: bool) -
         target = check_target(path)
     refuse_non_trace(target, "Trace.save")
     records = view.records
-    head = make_header(
-        model_class=m.model_class,
-        options=m.options,
-        records=records,
-        rank=m.rank,
-        world_size=m.world_size,
-        run_id=m.run_id,
-        bad_samples=m.bad_samples,
-        builtin_modules=m.builtin_modules,
-        untraced_modules=m.untraced_modules,
-    )
+    head = make_header(m, records)
     return write_trace(target, records, view.steps, view.ops, head)
 
 

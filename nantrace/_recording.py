@@ -346,19 +346,14 @@ class Recording:
             if self.stream_path is not None:
                 self._close_stream()
 
+    @property
+    def bad_samples(self) -> list[tuple[int, int, int, str, int, tuple[int, ...]]]:
+        """The model inputs that held inf/NaN so far: ``(rank, step, micro_step, tensor, n_bad, first indices)``."""
+        return self.samples.rows
+
     def _stream_meta(self, dtypes: list[str], steps: Any, ops: Any) -> dict[bytes, bytes]:
         """The nantrace metadata of a streamed file or segment holding ``steps``/``ops`` rows."""
-        head = make_header(
-            model_class=self.model_class,
-            options=self.options,
-            records=pd.DataFrame({"dtype": dtypes}),
-            rank=self.rank,
-            world_size=self.world_size,
-            run_id=self.run_id,
-            bad_samples=self.samples.rows,
-            builtin_modules=self.builtin_modules,
-            untraced_modules=self.untraced_modules,
-        )
+        head = make_header(self, pd.DataFrame({"dtype": dtypes}))
         return {MAGIC: footer(head, steps, ops)}
 
     def _close_stream(self) -> None:
