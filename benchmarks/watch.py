@@ -15,6 +15,10 @@ rounds holding a full step are outliers the median passes over) and the ratio of
 (the amortized cost, full steps included), in wall time and in this process's CPU time, with the load average
 at the start and the end (the machine may be shared).
 
+Mode ``control`` is a second untraced copy of the model measured like the others: its ratio to ``none`` is
+the noise floor of the run (two identical untraced steps interleaved on a shared machine); read a watch ratio
+against it.
+
 Run: ``python benchmarks/watch.py --threads 2`` (about 6 minutes on the 2-core machine), ``--quick`` to smoke.
 """
 
@@ -166,7 +170,9 @@ def _context(mode: str, model: nn.Module, opt: torch.optim.Optimizer, every: int
         return nantrace.watch(model, optimizer=opt, every=every)
     if mode == "trace":
         return nantrace.trace(model, optimizer=opt)
-    return contextlib.nullcontext()
+    if mode in ("none", "control"):
+        return contextlib.nullcontext()
+    raise SystemExit(f"--modes: unknown mode {mode!r}; the modes are watch, trace and control")
 
 
 def measure(
@@ -205,7 +211,7 @@ def measure(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(WORKLOADS))
-    p.add_argument("--modes", default="watch,trace")
+    p.add_argument("--modes", default="watch,trace,control")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--every", type=int, default=nantrace_default_every())
