@@ -481,8 +481,9 @@ class Watch:
             if bad is not None and self.recorded != "not_replayed":  # no rows without the step's gradients
                 self._note(bad)
                 rec.active = True
+                last = self.param_flag.micro  # the step's last micro-step, where trace's optimizer rows are
                 for p, mcode, tcode, pname in r.params:
-                    rec.add("optimizer", mcode, tcode, 0, pname, p, is_grad=False, parent=-1)
+                    rec.add("optimizer", mcode, tcode, 0, pname, p, is_grad=False, parent=-1, micro=last)
                 if self.recorded == "watch":
                     self.recorded = "post_step"
         rec.pending.micro_steps = max(rec.pending.micro_steps, len(self.micro))

@@ -236,9 +236,30 @@ def _zoo_optimizer(make: Any) -> nantrace.Trace:
     return tr
 
 
+def _zoo_optimizer_accumulated(make: Any) -> nantrace.Trace:
+    """The optimizer fault of :func:`_zoo_optimizer` after two micro-steps: the rows of the optimizer's step
+    belong to the step's last micro-step (1), under watch as under trace."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with make(model, optimizer=opt) as tr:
+        for step in range(3):
+            opt.zero_grad()
+            for _ in range(2):
+                model(torch.ones(2, 4)).sum().mul(100.0).backward()
+            opt.param_groups[0]["lr"] = 3e38 if step == 1 else 1e-2
+            opt.step()
+    return tr
+
+
 @pytest.mark.parametrize(
     ("zoo", "expected", "recorded"),
     [
+        (
+            _zoo_optimizer_accumulated,
+            (1, 1, "optimizer", "0", "Linear", 0, "weight", "inf"),
+            ["full", "post_step", "replay"],
+        ),
         (_zoo_twice, (2, 1, "data", "", "Twice", 0, "input[0]", "inf"), ["full", "watch", "replay"]),
         (
             _zoo_accumulation,
