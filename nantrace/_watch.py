@@ -45,7 +45,7 @@ from ._drill import issues_collectives
 from ._hooks import eager, in_backward
 from ._naming import is_sharded
 from ._scaler import current_lr
-from ._schema import RECORDED
+from ._schema import PHASE_CODE, PHASES, RECORDED
 from ._tree import flatten
 
 if TYPE_CHECKING:
@@ -434,7 +434,12 @@ class Watch:
         cols = self.r.store.step_rows.cols
         recorded = self.recorded
         note = self.sentinel.get(str(step))
-        if recorded in ("replay", "post_step") and cols["n_nonfinite"][-1] == 0:
+        if recorded == "replay" and note is not None and cols["n_nonfinite"][-1] > 0:
+            later = _later_than_seen(self.r.store.chunks, step, note)
+            if later is not None:  # the replay made values the sentinel never saw first
+                recorded = "not_reproduced"
+                note["replay_first"] = later
+        elif recorded in ("replay", "post_step") and cols["n_nonfinite"][-1] == 0:
             if note is not None and note.get("value") == "-inf" and cols["n_records"][-1] > 0:
                 del self.sentinel[
                     str(step)
@@ -791,6 +796,23 @@ def _replay_micro_steps(r: Recording, micros: list[_Micro]) -> None:
                     r.record_loss(
                         loss
                     )  # seen after its backward (``tr.step(loss)`` after ``loss.backward()``)
+
+
+def _later_than_seen(chunks: list[dict[str, np.ndarray]], step: int, note: dict[str, Any]) -> str | None:
+    """The phase of the replay's first non-finite row when the sentinel saw a non-finite value in the model's
+    inputs or outputs (phases ``data``/``forward``, which the replayed forward remakes in full) but the replay
+    recorded none there: the replay did not reproduce what the sentinel saw (a forward that depends on Python
+    state, a non-deterministic kernel), and its later rows (the real step's loss) are consequences, not
+    producers. None otherwise."""
+    seen = PHASE_CODE.get(str(note.get("phase")), len(PHASE_CODE))
+    if seen > PHASE_CODE["forward"] or not chunks or not len(chunks[-1]["step"]):
+        return None
+    c = chunks[-1]
+    bad = ((c["n_nan"] + c["n_posinf"] + c["n_neginf"]) > 0) & (c["step"] == step)
+    if not bad.any():
+        return None
+    first = int(c["phase"][bad].min())
+    return PHASES[first] if first > seen else None
 
 
 def _replay_backward(pairs: list[tuple[Any, _Micro]]) -> None:

@@ -82,6 +82,14 @@ def unreproduced(view: RunView, kind: str | None = None) -> list[Overflow]:
                 "this is where the sentinel detected it. Trace that step with nantrace.trace() on every rank "
                 "to name the producer."
             )
+        elif note.get("replay_first"):
+            message = (
+                f"{saw}, but the replayed forward held none: the replay's first non-finite value was in the "
+                f"{note['replay_first']} phase (a consequence of the real step, as its loss), so the producer is "
+                f"unknown: this is where the sentinel detected it.{changed} A forward that depends on Python state "
+                "(a call counter, a flag set by the loop) or non-deterministic kernels make a replay differ; trace "
+                "that step with nantrace.trace() to name the producer."
+            )
         else:
             message = (
                 f"{saw}, but replaying the step recorded no non-finite value, so its producer is unknown: this is "
@@ -128,7 +136,9 @@ def first_overflow(view: RunView, kind: str | None = None) -> Overflow | None:
     """
     found = _explain.first_overflow(view, kind)
     missed = unreproduced(view, kind)
-    if missed and (found is None or missed[0].step < found.step):
+    if missed and (
+        found is None or missed[0].step <= found.step
+    ):  # at one step: the replay's rows are not it
         return missed[0]
     return None if found is None else _replayed(view, found)
 
@@ -139,7 +149,7 @@ def diagnose(view: RunView) -> Diagnosis:
     result = _diagnose.diagnose(view)
     missed = unreproduced(view)
     first = result.overflow
-    if missed and (first is None or missed[0].step < first.step):
+    if missed and (first is None or missed[0].step <= first.step):
         ov = missed[0]
         return Diagnosis(
             cause=_CAUSE_OF_PHASE.get(ov.phase, "data"),

@@ -415,6 +415,42 @@ def test_a_fault_the_replay_cannot_reproduce_is_reported_as_detected() -> None:
     assert "replay did not reproduce it" in d.summary
 
 
+class ThirdCallInf(nn.Module):
+    """Its output is +inf on the third forward call ever made, a replay included: Python state a replay cannot
+    restore."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.calls = nn.Linear(3, 2), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out = self.fc(x)
+        return out * math.inf if self.calls == 3 else out
+
+
+def test_a_replay_whose_forward_stays_finite_does_not_blame_the_real_steps_loss() -> None:
+    """The real step 2's outputs are +inf, its loss -inf; its replay's outputs are finite and only the recorded real loss
+    is not. The replay did not reproduce what the sentinel saw in the forward: first_overflow() and diagnose() say
+    where it was seen (the model's output), not 'finite outputs but an inf loss'."""
+    torch.manual_seed(0)
+    model = ThirdCallInf()
+    with nantrace.watch(model, every=None) as tr:
+        for _ in range(4):
+            tr.step(model(torch.ones(2, 3)).sum())
+    assert tr.steps["recorded"].tolist() == ["watch", "watch", "not_reproduced", "watch"]
+    assert len(tr.records.query("step == 2 and phase == 'forward' and (n_posinf > 0 or n_nan > 0)")) == 0
+    assert len(tr.records.query("step == 2 and phase == 'loss' and n_neginf > 0")) == 1  # the real loss, -inf
+    ov = tr.first_overflow()
+    assert _fields(ov) == (2, 0, "forward", "", "ThirdCallInf", 0, "output", "inf")
+    assert "the replayed forward held none: the replay's first non-finite value was in the loss phase" in str(
+        ov
+    )
+    d = tr.diagnose()
+    assert d.cause == "forward_overflow" and _fields(d.overflow) == _fields(ov)
+    assert d.summary == "Step 2 went non-finite (forward), but its replay did not reproduce it."
+
+
 def test_default_every_records_step_0_and_100_in_full() -> None:
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
