@@ -320,7 +320,7 @@ def replay_call(module: torch.nn.Module, args: Any, kwargs: Any, *modes: Any) ->
     buffers.update((name, p.detach()) for name, p in module.named_parameters())
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            args_c, kwargs_c = clone_tree(args), clone_tree(kwargs)
+            args_c, kwargs_c = clone_tree(args, strict=True), clone_tree(kwargs, strict=True)
             with ExitStack() as stack:
                 for m in modes:
                     stack.enter_context(m)

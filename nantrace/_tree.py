@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import enum
+import functools
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,16 +66,68 @@ def flatten_list(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
     return list(flatten(obj, prefix))
 
 
-def clone_tree(obj: Any, depth: int = 0) -> Any:
-    """A copy of ``obj`` with every tensor in tuples/lists/dicts cloned (for a side-effect-free replay)."""
+#: Values a replay can share with the caller: immutable, or code rather than state.
+_SHARED = (
+    str,
+    bytes,
+    int,
+    float,
+    complex,
+    type(None),
+    range,
+    slice,
+    enum.Enum,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+    torch.layout,
+    torch.memory_format,
+    torch.nn.Module,
+    type,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+    functools.partial,
+)
+
+
+def clone_tree(obj: Any, depth: int = 0, *, strict: bool = False) -> Any:
+    """A copy of ``obj`` for a side-effect-free replay: every tensor reachable through tuples, lists, dicts and
+    the attributes of other objects (a key/value cache passed to an attention call) is cloned, so running a
+    module on the copy changes nothing the caller holds. Immutable values, modules, functions and classes are
+    shared; so is what lies deeper than :data:`MAX_DEPTH`.
+
+    Raises:
+        TypeError: ``strict`` and some object could not be copied (``copy.copy`` failed); without ``strict``
+            such an object is shared.
+    """
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
-    if depth >= MAX_DEPTH:
+    if depth >= MAX_DEPTH or isinstance(obj, _SHARED):
         return obj
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(clone_tree(v, depth + 1) for v in obj)
-    if isinstance(obj, list):
-        return [clone_tree(v, depth + 1) for v in obj]
+    if isinstance(obj, tuple):
+        items = [clone_tree(v, depth + 1, strict=strict) for v in obj]
+        if type(obj) is tuple:
+            return tuple(items)
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list) and type(obj) is list:
+        return [clone_tree(v, depth + 1, strict=strict) for v in obj]
     if type(obj) is dict:
-        return {k: clone_tree(v, depth + 1) for k, v in obj.items()}
-    return obj
+        return {k: clone_tree(v, depth + 1, strict=strict) for k, v in obj.items()}
+    try:
+        new = copy.copy(obj)
+        if isinstance(obj, dict):  # a dict subclass (a model-output object)
+            for k, v in obj.items():
+                dict.__setitem__(new, k, clone_tree(v, depth + 1, strict=strict))
+        if isinstance(obj, list):
+            new[:] = [clone_tree(v, depth + 1, strict=strict) for v in obj]
+        attrs = getattr(new, "__dict__", None)
+        if isinstance(attrs, dict):
+            for k, v in list(attrs.items()):
+                attrs[k] = clone_tree(v, depth + 1, strict=strict)
+        return new
+    except Exception as e:
+        if strict:
+            raise TypeError(f"cannot copy a {type(obj).__name__} for a replay: {e!r}") from e
+        return obj

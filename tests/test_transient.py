@@ -1036,3 +1036,48 @@ def test_an_in_place_child_ends_the_walk_and_the_container_counts_its_own_zeros(
     _steps(Leaf(inner()), _RISING)
     assert replays == expected
     assert skipped == passed
+
+
+class KVCache:
+    """A cache object a call is given and appends to (as transformers' key/value caches are)."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+
+class CachedLogGate(nn.Module):
+    """``where(x > 0, log(x), 0)`` (log(0) = -inf, discarded) plus how many inputs the cache held before this
+    call: on inputs of 1 and 0 every output is 0 for the first call on a fresh cache, more zeros than its input
+    held, so the drill-down replays it."""
+
+    def forward(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        before = len(cache.keys)
+        cache.keys.append(x)
+        return torch.where(x > 0, torch.log(x), torch.zeros_like(x)) + before
+
+
+class WithCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = CachedLogGate()
+        self.caches: list[KVCache] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cache = KVCache()
+        self.caches.append(cache)
+        return self.gate(x, cache=cache)
+
+
+def test_a_replay_runs_on_a_copy_of_a_cache_object_and_leaves_the_callers_cache_alone() -> None:
+    """A replay appends to a copy of the cache, not to the caller's (which keeps its one entry), and every replay
+    sees the cache as the call did: the discarded log(0) does not reach the output, so nothing is reported (was
+    a false 'invalid op' when each replay grew the shared cache and so changed the output, found on T5)."""
+    model = WithCache()
+    x = torch.tensor([[1.0, 0.0, 1.0, 0.0]], requires_grad=True)
+    with nantrace.trace(model) as tr:
+        for _ in range(2):
+            tr.step(model(x).sum())
+    assert [len(c.keys) for c in model.caches] == [1, 1]
+    assert len(tr.records.query("module == 'gate' and tensor == 'output' and n_zero == 4")) == 2
+    assert tr.first_overflow() is None
+    assert tr.diagnose().cause == "healthy"
