@@ -20,7 +20,7 @@ from ._evidence import (
 from ._explain import samples_words
 from ._facts import DivergenceFacts, Facts, ratio_per_step
 from ._fmt import attr_path, module_label, num, steps_text
-from ._masks import is_mask
+from ._masks import is_mask, lowest_masks
 from ._overflow import Overflow
 from ._ranges import finite_absmax
 from ._schema import FP16_SMALLEST_NORMAL, FP16_SMALLEST_SUBNORMAL, dtype_max
@@ -136,10 +136,12 @@ def step_words(ev: Overflow) -> str:
 
 
 def call_inputs(run: Facts, ev: Overflow) -> pd.DataFrame:
-    """The input rows of the event's module call (the model inputs for the root)."""
+    """The input rows of the event's module call (the model inputs for the root), without finite additive masks
+    (:func:`nantrace._masks.lowest_masks`: a ``finfo.min`` mask's absmax is no value the call computed from)."""
     phase = "data" if ev.module == "" else "forward"
     mine = run.rows_of(ev.step, phase, module=ev.module, prefix="input")
-    return mine[(mine["micro_step"].to_numpy() == ev.micro_step) & (mine["call"].to_numpy() == ev.call)]
+    mine = mine[(mine["micro_step"].to_numpy() == ev.micro_step) & (mine["call"].to_numpy() == ev.call)]
+    return mine[~lowest_masks(mine)] if len(mine) else mine
 
 
 def _seen_at(run: Facts, ev: Overflow) -> str | None:

@@ -41,6 +41,7 @@ import torch
 
 from ._fmt import module_label, num
 from ._hooks import CAST_OP
+from ._masks import lowest_masks
 from ._overflow import Overflow
 from ._ranges import finite_absmax, weights_beyond
 from ._schema import KIND_WORDS, dtype_max
@@ -313,7 +314,8 @@ def _op_row(view: RunView, ov: Overflow) -> dict[str, Any] | None:
 
 
 def call_input_rows(view: RunView, ov: Overflow) -> pd.DataFrame:
-    """The input rows of the event's module call (the model inputs for the root), local rows only."""
+    """The input rows of the event's module call (the model inputs for the root), local rows only, without finite
+    additive masks (:func:`nantrace._masks.lowest_masks`)."""
     r = _rank_rows(view.records, ov, _many(view))
     phase = "data" if ov.module == "" else "forward"
     m = (
@@ -327,7 +329,10 @@ def call_input_rows(view: RunView, ov: Overflow) -> pd.DataFrame:
         m &= r["call"].to_numpy() == ov.call
     if "reduced" in r.columns:
         m &= ~r["reduced"].to_numpy(dtype=bool)
-    return r[m]
+    rows = r[m]
+    return (
+        rows[~lowest_masks(rows)] if len(rows) else rows
+    )  # a finfo.min mask: no value the call computed from
 
 
 def call_arity(view: RunView, ov: Overflow) -> tuple[int, list[str]]:

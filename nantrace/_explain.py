@@ -26,7 +26,7 @@ from ._evidence import (
 from ._fmt import module_label, num
 from ._hooks import CAST_OP
 from ._locate import Event, Finding, find
-from ._masks import is_mask
+from ._masks import is_mask, lowest_masks
 from ._overflow import Overflow
 from ._ranges import finite_absmax
 from ._repro import captured_call
@@ -141,13 +141,15 @@ def _forward_inputs(ev: Event) -> pd.DataFrame:
         ev.fields["module"],
     )
     if module == "":
-        return step_df[(step_df["micro_step"] == micro) & (step_df["phase"].astype(str) == "data")]
-    mine = step_df[
-        (step_df["micro_step"] == micro)
-        & (step_df["call"] == call)
-        & (step_df["module"].astype(str) == module)
-    ]
-    return mine[mine["tensor"].astype(str).str.startswith("input")]
+        mine = step_df[(step_df["micro_step"] == micro) & (step_df["phase"].astype(str) == "data")]
+    else:
+        mine = step_df[
+            (step_df["micro_step"] == micro)
+            & (step_df["call"] == call)
+            & (step_df["module"].astype(str) == module)
+        ]
+        mine = mine[mine["tensor"].astype(str).str.startswith("input")]
+    return mine[~lowest_masks(mine)] if len(mine) else mine  # a finfo.min mask is no value it computed from
 
 
 def _forward_head(ev: Event, op_dtype: str | None = None) -> tuple[str, bool]:

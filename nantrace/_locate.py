@@ -9,7 +9,11 @@ from inf, never the reverse):
 1. A module call produced a kind (NaN, +inf, -inf) when its output holds it and none of its inputs did. Taken in
    time order, the first row holding a kind not seen before is exactly that output.
 2. A kind that first shows up at a module's *input* was made by the enclosing module's own ``forward`` (an op
-   between its children): that enclosing module (the row's ``parent``) is reported.
+   between its children): that enclosing module (the row's ``parent``) is reported. When the forward
+   drill-down of that call found an op of its own code making another kind (``ops.reaches``), that op's value is
+   the first one: a replay stops at the first op of the call's own code that makes a non-finite value, so it ran
+   before what the child saw (q·kᵀ overflowing to +inf, then a softmax NaN at the output projection's input);
+   the event is that op's kind at the call's output, as for a value that never left the call.
 3. An attention mask is not a fault (:mod:`nantrace._masks`): its -inf is recorded (``n_neginf``) but never
    reported, and passing it on in activations is not producing it, also when it reaches the model's output.
    NaN/+inf, or -inf in a model input that is not a mask (e.g. ``log(0)`` in a feature), is a ``data`` fault.
@@ -360,10 +364,54 @@ def _step_event(
             & (step_ops["kind"] == k)
         ]
         op = str(mine["op"].iloc[0]) if len(mine) else None
+        if op is None:
+            row, k, op = _earlier_op(step_local, step_ops, who, row, k, wanted)
+            if op is not None:  # named at the call's output, as a value that never left the call
+                who = (who[0], who[1], who[2], str(row["tensor"]))
     if op is None and step_ops is not None and str(row["phase"]) == "backward":
         op = _discarded_op(step_ops, who, int(row["micro_step"]))
     line = _source_of(step_ops, who, int(row["micro_step"]), op)
     return Event(overflow_fields(row, k, who), k, op, row, step_local, rank, received, line)
+
+
+def _earlier_op(
+    step_df: pd.DataFrame,
+    step_ops: pd.DataFrame,
+    who: tuple[str, str, int, str],
+    row: pd.Series,
+    k: str,
+    wanted: tuple[str, ...],
+) -> tuple[pd.Series, str, str | None]:
+    """For a value first seen at a child's input that the enclosing call's own code made (``who``): the op the
+    drill-down found making another wanted kind in that call, when there is one (``ops.reaches``). A replay stops
+    at the first op of the call's own code that makes a non-finite value, so that op ran before the value the
+    child saw (a q·kᵀ overflowing to inf, then a softmax NaN at the output projection's input): the first
+    non-finite value is the op's. Returns the call's first output row holding the op's kind (else its first
+    output), that kind and the op; ``(row, k, None)`` unchanged when the drill-down found none."""
+    ops = reaching(step_ops)
+    if ops is None or not len(ops) or str(row["phase"]) != "forward":
+        return row, k, None
+    micro = int(row["micro_step"])
+    mine = ops[
+        (ops["module"].astype(str) == who[0])
+        & (ops["call"] == who[2])
+        & (ops["micro_step"] == micro)
+        & ops["kind"].isin(wanted)
+    ]
+    if not len(mine):
+        return row, k, None
+    kind, op = str(mine["kind"].iloc[0]), str(mine["op"].iloc[0])
+    outs = step_df[
+        (step_df["phase"].astype(str) == "forward")
+        & (step_df["module"].astype(str) == who[0])
+        & (step_df["call"] == who[2])
+        & (step_df["micro_step"] == micro)
+        & step_df["tensor"].astype(str).str.startswith("output")
+    ]
+    if not len(outs):
+        return row, k, None
+    holding = outs[outs["n_" + kind].to_numpy() > 0]
+    return (holding if len(holding) else outs).iloc[0], kind, op
 
 
 def _source_of(

@@ -4,6 +4,11 @@ A tensor is an attention mask when it holds no NaN or +inf and either its name s
 was passed as, or its path, contains ``"mask"`` or ``"bias"``, as in ``attention_mask`` or ``attn_bias``) or
 every value is 0 or -inf; the value rule does not apply to the model's first positional argument (``input[0]``
 of phase data: the features, where ``log(one_hot)`` is data). A mask's -inf is recorded but never reported.
+
+A *finite* additive mask (``torch.finfo(dtype).min`` where masked, 0 elsewhere, as transformers builds them) holds
+no inf, so rule 3 never applies to it; but its absmax is its dtype's max, which is no activation's range.
+:func:`lowest_masks` finds such rows from their statistics alone (every non-zero value is the dtype's lowest),
+so headroom tables and the input ranges quoted in explanations leave them out.
 """
 
 from __future__ import annotations
@@ -13,11 +18,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ._schema import dtype_max
+
 __all__ = [
     "FEATURES",
     "MASK_WORDS",
     "RULE_COLUMNS",
     "is_mask",
+    "lowest_masks",
     "mask_named",
     "mask_rows",
     "names_flag",
@@ -100,3 +108,19 @@ def unmasked(df: pd.DataFrame) -> pd.DataFrame:
     neginf[mask] = 0
     out["n_neginf"] = neginf
     return out
+
+
+def lowest_masks(df: pd.DataFrame) -> np.ndarray:
+    """Boolean array: the data/forward rows of ``df`` (records) that are finite additive masks, every value 0 or
+    its dtype's lowest finite value (``torch.finfo(dtype).min``): no inf/NaN, ``max <= 0``, ``min`` at minus the
+    dtype's max and the smallest non-zero ``|x|`` equal to it. Read from the row's statistics only."""
+    if len(df) == 0:
+        return np.zeros(0, dtype=bool)
+    phase = df["phase"].astype(str).to_numpy()
+    lim = np.array([dtype_max(d) for d in df["dtype"].astype(str).to_numpy()], dtype=np.float64)
+    lo = df["min"].to_numpy(dtype=np.float64)
+    hi = df["max"].to_numpy(dtype=np.float64)
+    least = df["absmin"].to_numpy(dtype=np.float64)
+    clean = (df["n_nan"].to_numpy() + df["n_posinf"].to_numpy() + df["n_neginf"].to_numpy()) == 0
+    with np.errstate(invalid="ignore"):
+        return ((phase == "data") | (phase == "forward")) & clean & (hi <= 0) & (lo == -lim) & (least == lim)

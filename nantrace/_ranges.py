@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from ._masks import unmasked
+from ._masks import lowest_masks, unmasked
 from ._schema import FP16_MAX, dtype_max, is_wide
 
 __all__ = ["finite_absmax", "headroom_table", "lowest_rank_steps", "weights_beyond"]
@@ -61,9 +61,12 @@ def headroom_table(records: pd.DataFrame, limit: float = FP16_MAX, top: int = 5)
 
     Columns: ``module, module_type, absmax, headroom_bits``; over forward rows (activations; gradients carry the
     loss scale). A module that held ±inf has ``absmax = inf`` and ``headroom_bits = -inf`` (it overflowed); an
-    attention mask's -inf (:mod:`nantrace._masks`) is not an overflow and does not count.
+    attention mask's -inf (:mod:`nantrace._masks`) is not an overflow and does not count, nor does a finite mask
+    of ``torch.finfo(dtype).min`` values (:func:`nantrace._masks.lowest_masks`).
     """
     rows = unmasked(records[records["phase"].astype(str) == "forward"])
+    if len(rows):
+        rows = rows[~lowest_masks(rows)]  # a finfo.min mask's absmax is no activation's range
     if len(rows) == 0:
         return pd.DataFrame(columns=["module", "module_type", "absmax", "headroom_bits"])
     absmax = rows["absmax"].to_numpy(dtype=np.float64)

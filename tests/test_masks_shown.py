@@ -158,3 +158,53 @@ def test_transformer_encoder_with_the_causal_mask_shows_no_overflow() -> None:
     assert "overflowed" not in repr(tr)
     assert "exceeds" not in " ".join(tr.diagnose().evidence)
     assert not plot.nonfinite_grid(tr).to_numpy().any()
+
+
+class ScoresPlusMask(nn.Module):
+    """A float16 projection of its input, plus an additive mask as transformers builds it: ``finfo(float32).min``
+    where masked, 0 elsewhere (finite: no -inf anywhere)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.eye(4) * 16.0)
+            self.proj.bias.zero_()
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.proj(x).float() + attention_mask, -1)
+
+
+class HoldsMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = ScoresPlusMask()
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, attention_mask=attention_mask)
+
+
+def test_a_finite_finfo_min_mask_is_no_activation_in_headroom_or_input_ranges() -> None:
+    """The mask's absmax is float32's max (3.403e+38) but it is no value any module computed: the headroom
+    table starts at the projection (absmax 16: 12 bits below 65504), and the mask rows are the only ones the rule
+    picks (found on Llama: 'least float16 headroom: model.layers.0, absmax 3.403e+38')."""
+    from nantrace._masks import lowest_masks
+
+    m = HoldsMask()
+    low = torch.finfo(torch.float32).min
+    mask = torch.tensor([[0.0, low, 0.0, low]])
+    with nantrace.trace(m) as tr, torch.autocast("cpu", dtype=torch.float16):
+        m(torch.ones(1, 4), mask).sum().backward()
+    rec = tr.records
+    picked = rec[lowest_masks(rec)]
+    assert sorted(zip(picked["module"], picked["tensor"], strict=True)) == [
+        ("", "input[1]"),
+        ("attn", "input.attention_mask"),
+    ]
+    hr = headroom_table(rec)
+    assert hr.iloc[0][["module", "absmax", "headroom_bits"]].tolist() == [
+        "attn.proj",
+        16.0,
+        math.log2(65504 / 16),
+    ]
+    assert float(hr["absmax"].max()) < 65504

@@ -1081,3 +1081,42 @@ def test_a_replay_runs_on_a_copy_of_a_cache_object_and_leaves_the_callers_cache_
     assert len(tr.records.query("module == 'gate' and tensor == 'output' and n_zero == 4")) == 2
     assert tr.first_overflow() is None
     assert tr.diagnose().cause == "healthy"
+
+
+class ScoresAttention(nn.Module):
+    """Attention with its projections as submodules: ``q·kᵀ`` of q and k whose values are 8·50 = 400 sums 8
+    products of 160000, beyond 65504, so the scores are +inf; the softmax of a row of +inf is NaN, first seen at
+    the input of the output projection ``out`` (the identity)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.out = (nn.Linear(8, 8, bias=False) for _ in range(3))
+        with torch.no_grad():
+            self.q.weight.fill_(50.0)
+            self.k.weight.fill_(50.0)
+            self.out.weight.copy_(torch.eye(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        return self.out(torch.softmax(scores, -1) @ x)
+
+
+def test_a_score_overflow_before_a_softmax_nan_at_a_child_is_the_first_value_and_names_the_matmul() -> None:
+    """The NaN at `out`'s input is what the module boundaries show first; the drill-down of the enclosing call
+    stops at the `@` that made +inf before it (a replay stops at the call's first op making a non-finite
+    value). The first overflow is that +inf, made by the matmul, with the product's advice; kind="nan" still
+    gives the NaN where it was seen (was 'made NaN by an invalid operation: add eps' for the classic q·kᵀ
+    overflow, found on Llama)."""
+    tr, out = _run(ScoresAttention(), _full(1.0))
+    assert bool(torch.isnan(out).all())
+    rec = tr.records
+    seen = rec[(rec["module"] == "inner.out") & (rec["tensor"] == "input[0]")]
+    assert (int(seen["n_nan"].iloc[0]), int(seen["n_posinf"].iloc[0])) == (16, 0)
+    assert _ops(tr) == [["inner", 0, "matmul", "posinf", _line(ScoresAttention, 1), True]]
+    ov = tr.first_overflow()
+    assert _where(ov) == (0, "forward", "inner", 0, "output", "inf")
+    assert str(ov).splitlines()[0] == "step 0 forward: `inner` (`matmul`) overflowed float16 (+inf)"
+    assert "`matmul` sums 8 products of operands of absmax 400 and 400 (up to 1280000 > 65504)" in str(ov)
+    assert _where(tr.first_overflow(kind="nan")) == (0, "forward", "inner", 0, "input[0]", "nan")
+    d = tr.diagnose()
+    assert d.cause == "forward_overflow" and _where(d.overflow) == _where(ov)
