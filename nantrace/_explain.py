@@ -28,24 +28,51 @@ from ._hooks import CAST_OP
 from ._locate import Event, Finding, find
 from ._masks import is_mask, lowest_masks
 from ._overflow import Overflow
-from ._ranges import finite_absmax
+from ._ranges import finite_absmax, last_optimizer_row
 from ._repro import captured_call
 from ._schema import KIND_WORDS, OVERFLOW_COLUMNS, dtype_max, is_wide, wanted_kinds
 from ._view import RunView
 
-__all__ = ["first_overflow", "overflows", "samples_words", "weights_words"]
+__all__ = ["changed_outside", "first_overflow", "overflows", "samples_words", "weights_words"]
 
 _MATMUL_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear", "LazyLinear")
 
 
-def weights_words(module: str, beyond: list[tuple[str, str, float, int]]) -> str:
-    """ "`0.weight` absmax 5.887e+06 since step 2; `0.bias` …" for :func:`~nantrace._ranges.weights_beyond`'s rows."""
+def weights_words(
+    module: str, beyond: list[tuple[str, str, float, int]], records: pd.DataFrame, step: int
+) -> str:
+    """ "`0.weight` absmax 5.887e+06 since step 2; `0.bias` …" for :func:`~nantrace._ranges.weights_beyond`'s rows
+    (``records``, ``step``: the event's, for a value read from the live model: what its last optimizer row said)."""
     prefix = f"{module}." if module else ""
     return "; ".join(
-        f"`{prefix}{t}` absmax {num(a)} "
-        + (f"since step {s}" if s >= 0 else "in the initial weights, from before step 0")
-        for t, _, a, s in beyond
+        f"`{prefix}{t}` absmax {num(a)} " + _since(records, module, t, a, s, step) for t, _, a, s in beyond
     )
+
+
+def _since(records: pd.DataFrame, module: str, tensor: str, absmax: float, since: int, step: int) -> str:
+    if since >= 0:
+        return f"since step {since}"
+    last = last_optimizer_row(records, module, tensor, step)
+    if last is None:
+        return "in the live model (no optimizer row records it)"
+    if last[1] == absmax:
+        return f"in the live model, as after optimizer.step() of step {last[0]}"
+    return (
+        f"in the live model, where its last optimizer row (step {last[0]}) showed {num(last[1])}: it changed "
+        "outside optimizer.step()"
+    )
+
+
+def changed_outside(
+    records: pd.DataFrame, module: str, beyond: list[tuple[str, str, float, int]], step: int
+) -> bool:
+    """True when a live-model value of ``beyond`` differs from its last optimizer row: written outside
+    ``optimizer.step()`` (a manual edit, a state-dict load)."""
+    for t, _, a, s in beyond:
+        last = last_optimizer_row(records, module, t, step) if s < 0 else None
+        if last is not None and last[1] != a:
+            return True
+    return False
 
 
 def _has(rows: pd.DataFrame, kind: str) -> bool:
@@ -218,13 +245,19 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
             if ev.raw_kind == "nan" or _only_nan_out(ev)
             else f"inf times its inputs gives {what}"
         )
+        words = weights_words(module, beyond, view.records, step)
+        fix = (
+            "Find what wrote the weights outside optimizer.step() (a manual edit, a state-dict load, a weight "
+            "average) and keep them"
+            if changed_outside(view.records, module, beyond, step)
+            else "Lower the learning rate, add weight decay or clip gradients so the weights stay"
+        )
         return [
             f"{head}, from finite inputs (input absmax {in_absmax}): its {beyond[0][1]} weights exceed {dtype}'s "
-            f"{num(dmax)} ({weights_words(module, beyond)}), so autocast's cast to {dtype} made them inf; {made}.",
+            f"{num(dmax)} ({words}), so autocast's cast to {dtype} made them inf; {made}.",
             *facts,
-            f"Lower the learning rate, add weight decay or clip gradients so the weights stay well below {num(dmax)}; "
-            f"or keep {name} in float32 (call it inside torch.autocast(..., enabled=False) with a .float() input), "
-            "or use bfloat16.",
+            f"{fix} well below {num(dmax)}; or keep {name} in float32 (call it inside torch.autocast(..., "
+            "enabled=False) with a .float() input), or use bfloat16.",
         ]
     leak = inputs_had_inf and ev.raw_kind != "nan"  # the -inf of a mask/bias input went on into values
     if oe.op_class in ("singular", "invalid", "mask_arithmetic") and oe.op is not None and not leak:

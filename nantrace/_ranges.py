@@ -12,7 +12,7 @@ import pandas as pd
 from ._masks import lowest_masks, unmasked
 from ._schema import FP16_MAX, dtype_max, is_wide
 
-__all__ = ["finite_absmax", "headroom_table", "lowest_rank_steps", "weights_beyond"]
+__all__ = ["finite_absmax", "headroom_table", "last_optimizer_row", "lowest_rank_steps", "weights_beyond"]
 
 
 def weights_beyond(
@@ -48,6 +48,25 @@ def weights_beyond(
             i -= 1
         out.append((str(tensor), pdtype, float(absmax[-1]), int(g["step"].iloc[i])))
     return sorted(out, key=lambda t: -t[2])
+
+
+def last_optimizer_row(
+    records: pd.DataFrame, module: str, tensor: str, before: int
+) -> tuple[int, float] | None:
+    """``(step, absmax)`` of parameter ``tensor`` of ``module`` in its latest ``optimizer`` row before step
+    ``before`` (its value after that ``optimizer.step()``); None when none is recorded."""
+    if not len(records):
+        return None
+    rows = records[
+        (records["phase"].astype(str).to_numpy() == "optimizer")
+        & (records["module"].astype(str).to_numpy() == module)
+        & (records["tensor"].astype(str).to_numpy() == tensor)
+        & (records["step"].to_numpy() < before)
+    ]
+    if not len(rows):
+        return None
+    last = rows.sort_values("step").iloc[-1]
+    return int(last["step"]), float(last["absmax"])
 
 
 def finite_absmax(rows: pd.DataFrame) -> float:

@@ -125,6 +125,11 @@ def test_planted_weights_read_live_at_diagnose_time() -> None:
         "At step 1, `0` (Linear, call 0) produced +inf in `aten._to_copy` inside its forward (float16), from "
         "finite inputs (input absmax 1)"
     )
+    assert (
+        "(`0.weight` absmax 150000 in the live model, where its last optimizer row (step 0) showed 1.5: it changed "
+        "outside optimizer.step())"
+    ) in " ".join(str(ov).splitlines())
+    assert "Find what wrote the weights outside optimizer.step()" in str(ov)
     d = diagnose(tr)
     assert d.cause == "forward_overflow"
     assert (

@@ -751,13 +751,38 @@ def test_the_loss_cause_says_the_scale_falls_only_when_it_fell() -> None:
     ) in fell.evidence
 
 
-def test_weights_beyond_float16_from_the_initial_weights_name_no_step_minus_one() -> None:
-    from nantrace._explain import weights_words
+def test_weights_read_from_the_live_model_say_what_their_last_optimizer_row_showed() -> None:
+    """-1: read from the live model. With no optimizer row it says so; with one that showed another value the
+    weights changed outside optimizer.step() (was 'in the initial weights, from before step 0' whatever the
+    rows said, found by the new-user check)."""
+    from nantrace._explain import changed_outside, weights_words
 
-    assert weights_words("a", [("weight", "float32", 70000.0, -1)]) == (
-        "`a.weight` absmax 70000 in the initial weights, from before step 0"
+    live = [("weight", "float32", 70000.0, -1)]
+    none = conftest.records_frame([])
+    assert (
+        weights_words("a", live, none, 3)
+        == "`a.weight` absmax 70000 in the live model (no optimizer row records it)"
     )
-    assert weights_words("a", [("weight", "float32", 70000.0, 3)]) == "`a.weight` absmax 70000 since step 3"
+    rows = conftest.records_frame(
+        [
+            {"step": 1, "phase": "optimizer", "module": "a", "tensor": "weight", "absmax": 0.25},
+            {"step": 2, "phase": "optimizer", "module": "a", "tensor": "weight", "absmax": 0.5},
+            {"step": 3, "phase": "optimizer", "module": "a", "tensor": "weight", "absmax": 70000.0},
+        ]
+    )
+    assert weights_words("a", live, rows, 3) == (
+        "`a.weight` absmax 70000 in the live model, where its last optimizer row (step 2) showed 0.5: it changed "
+        "outside optimizer.step()"
+    )
+    assert changed_outside(rows, "a", live, 3) and not changed_outside(rows, "a", live, 4)
+    assert (
+        weights_words("a", live, rows, 4)
+        == "`a.weight` absmax 70000 in the live model, as after optimizer.step() of step 3"
+    )
+    assert (
+        weights_words("a", [("weight", "float32", 70000.0, 3)], rows, 4)
+        == "`a.weight` absmax 70000 since step 3"
+    )
 
 
 def test_one_applied_update_that_blows_the_loss_up_under_a_scaler_is_divergence() -> None:
