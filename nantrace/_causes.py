@@ -23,7 +23,7 @@ from ._fmt import attr_path, module_label, num, steps_text
 from ._masks import is_mask, lowest_masks
 from ._overflow import Overflow
 from ._ranges import finite_absmax
-from ._schema import FP16_SMALLEST_NORMAL, FP16_SMALLEST_SUBNORMAL, dtype_max
+from ._schema import FP16_SMALLEST_NORMAL, FP16_SMALLEST_SUBNORMAL, dtype_max, is_wide
 
 __all__ = [
     "backward_overflow",
@@ -619,21 +619,38 @@ def optimizer(run: Facts, ev: Overflow) -> Diagnosis:
     ]
     if len(before):
         evidence.append(f"its parameters' absmax after step {ev.step - 1}: {num(finite_absmax(before))}")
-    if not math.isnan(gmax) and gmax > 0 and dtype == "float16":
+    adam = "adam" in opt_name.lower() or opt_name == "the optimizer"
+    if not math.isnan(gmax) and gmax > 0 and dtype == "float16" and adam:
         mins = grads["absmin"].to_numpy(dtype=np.float64)
         mins = mins[np.isfinite(mins) & (mins > 0)]
         gmin = float(mins.min()) if mins.size else math.nan
         if not math.isnan(scale) and scale > 0:
             gmin /= scale
-        evidence.append("Adam's default eps=1e-8 rounds to 0 in float16; " + _adam_square_text(gmax, gmin))
+        zeros = (int(grads["n_zero"].sum()), int(grads["numel"].sum()), f"{pname}.grad")
+        evidence.append(
+            "Adam's default eps=1e-8 rounds to 0 in float16; " + _adam_square_text(gmax, gmin, zeros)
+        )
     lr = run.lr.get(ev.step, math.nan)
     if not math.isnan(lr):
         evidence.append(f"learning rate {num(lr)}")
-    advice = [
-        f"Keep float32 master weights: leave the model in float32 and use `torch.autocast(device_type=..., "
-        f"dtype=torch.{dtype})` for the compute instead of `model.half()`.",
-    ]
-    if "adam" in opt_name.lower() or opt_name == "the optimizer":
+    if not math.isnan(lr) and not math.isfinite(lr):
+        advice = [
+            f"Set a finite learning rate: it was {num(lr)} at step {ev.step} (check what set it: a scheduler, a config)."
+        ]
+    elif is_wide(
+        dtype
+    ):  # in float32 neither eps nor grad² rounds to 0: the optimizer's own arithmetic did it
+        advice = [
+            f"In {dtype} a finite gradient becomes non-finite only in {opt_name}.step()'s own arithmetic: an update "
+            f"beyond {num(dtype_max(dtype))} or an invalid operation (0/0, a division by a state that is 0). Check "
+            "the learning rate and the optimizer's hyper-parameters, and a custom optimizer's step()."
+        ]
+    else:
+        advice = [
+            f"Keep float32 master weights: leave the model in float32 and use `torch.autocast(device_type=..., "
+            f"dtype=torch.{dtype})` for the compute instead of `model.half()`.",
+        ]
+    if not is_wide(dtype) and math.isfinite(lr if not math.isnan(lr) else 0.0) and adam:
         advice.insert(
             0,
             f"Raise Adam's eps to ≥1e-4 ({dtype}'s smallest normal is {num(FP16_SMALLEST_NORMAL)}; 1e-8 rounds "
@@ -643,9 +660,19 @@ def optimizer(run: Facts, ev: Overflow) -> Diagnosis:
     return Diagnosis("optimizer", ev, evidence, advice, summary)
 
 
-def _adam_square_text(gmax: float, gmin: float) -> str:
-    """What float16 does to Adam's grad² (its second moment) at the largest and smallest non-zero |grad|."""
+def _adam_square_text(gmax: float, gmin: float, zeros: tuple[int, int, str] = (0, 0, "")) -> str:
+    """What float16 does to Adam's grad² (its second moment) at the largest and smallest non-zero |grad|;
+    ``zeros``: (values exactly 0, values, the gradient's name), whose grad² is 0 whatever the dtype."""
     tiny = FP16_SMALLEST_SUBNORMAL
+    n0, n, name = zeros
+    if n0:
+        zero = (
+            f"; {n0} of {n} values of `{name}` are exactly 0: their grad² and first moment are 0, and with eps 0 "
+            "Adam's step there is 0/0 = NaN"
+        )
+        return (
+            _adam_square_text(gmax, gmin).replace("(every value above", "(every non-zero value above") + zero
+        )
     if gmax * gmax < tiny:
         return (
             f"in float16 even the largest grad² ({num(gmax)}² = {num(gmax * gmax)}) is below {num(tiny)} and rounds to "

@@ -422,17 +422,42 @@ def _backward_body(ev: Event) -> str:
     )
 
 
-def _optimizer(ev: Event) -> str:
+def _optimizer(view: RunView, ev: Event) -> str:
     f = ev.fields
     dtype = str(f["dtype"])
     dmax = dtype_max(dtype)
-    tiny = float(torch.finfo(getattr(torch, dtype)).smallest_normal) if not math.isnan(dmax) else math.nan
-    return (
+    head = (
         f"At {_where(ev)}, gradients were finite but optimizer.step() made `{f['tensor']}` of "
-        f"{module_label(str(f['module']))} ({f['module_type']}) {KIND_WORDS[ev.raw_kind]} ({dtype}). In {dtype} "
-        "small optimizer constants such as Adam's eps=1e-8 and squared gradients round to 0 "
-        f"(smallest normal {num(tiny)}): keep float32 master weights, or raise eps to ≥1e-4."
+        f"{module_label(str(f['module']))} ({f['module_type']}) {KIND_WORDS[ev.raw_kind]} ({dtype})."
     )
+    if math.isnan(dmax):
+        return head
+    lr = step_lr(view, int(f["step"]))
+    if not math.isnan(lr) and not math.isfinite(lr):
+        return f"{head} The learning rate was {num(lr)} at this step: set a finite one (check what set it)."
+    if is_wide(dtype):  # eps and grad² do not round to 0 here: the optimizer's own arithmetic overflowed
+        shown = f" (learning rate {num(lr)})" if not math.isnan(lr) else ""
+        return (
+            f"{head} In {dtype} a finite gradient becomes non-finite only in the optimizer's own arithmetic: an "
+            f"update beyond {num(dmax)}{shown} or an invalid operation in step() (0/0, a division by a zero "
+            "state): check the learning rate and the optimizer's hyper-parameters, and a custom optimizer's step()."
+        )
+    tiny = float(torch.finfo(getattr(torch, dtype)).smallest_normal)
+    adam = "adam" in str(view.meta.options.get("optimizer") or "adam").lower()
+    consts = "Adam's eps=1e-8 and squared gradients" if adam else "an optimizer's eps and squared gradients"
+    return (
+        f"{head} In {dtype} small optimizer constants such as {consts} round to 0 (smallest normal {num(tiny)}): "
+        "keep float32 master weights" + (", or raise eps to ≥1e-4." if adam else ".")
+    )
+
+
+def step_lr(view: RunView, step: int) -> float:
+    """The learning rate recorded for ``step`` (NaN when not recorded)."""
+    steps = view.steps
+    if "lr" not in steps.columns or not len(steps):
+        return math.nan
+    row = steps[steps["step"].to_numpy() == step]
+    return float(row["lr"].iloc[0]) if len(row) else math.nan
 
 
 def _local(view: RunView) -> pd.DataFrame:
@@ -455,7 +480,7 @@ def _explain_event(view: RunView, ev: Event) -> str:
         return head + _loss(ev)
     if phase == "backward":
         return _backward(view, ev)
-    return head + _optimizer(ev)
+    return head + _optimizer(view, ev)
 
 
 # ---------------------------------------------------------------------------------------------- notes

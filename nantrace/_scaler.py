@@ -6,6 +6,8 @@ Each function takes the :class:`~nantrace._recording.Recording` it records into.
 
 from __future__ import annotations
 
+import sys
+import types
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -22,6 +24,7 @@ __all__ = [
     "attach_optimizer",
     "attach_scaler",
     "current_lr",
+    "nested_step",
     "param_hook",
     "scaler_tensor",
     "stale_hook",
@@ -153,13 +156,33 @@ def _records_reduced(r: Recording) -> bool:
     return r.world_size > 1 and "backward" in r.rec.phases
 
 
+# the code of torch's wrapper that runs an optimizer's step hooks around its step()
+_STEP_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda: None).__code__
+
+
+def nested_step() -> bool:
+    """True inside a step() that another step() of the same optimizer called: torch runs the step hooks again
+    for every patched ``step`` on the stack (a subclass whose ``step`` calls ``super().step()``, when the base
+    class was instantiated too), and only the outermost call is the training step. Read from the Python stack
+    (two frames of torch's hook wrapper), so a step() that raised leaves nothing behind."""
+    frame: types.FrameType | None = sys._getframe(1)
+    seen = 0
+    while frame is not None:
+        if frame.f_code is _STEP_WRAPPER:
+            seen += 1
+            if seen > 1:
+                return True
+        frame = frame.f_back
+    return False
+
+
 def attach_optimizer(r: Recording, optimizer: torch.optim.Optimizer) -> None:
     """The optimizer's step post-hook (parameters after ``step()``, lr, the step boundary without a scaler)
     and, in a distributed run, its step pre-hook (the reduced gradients)."""
 
     def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         rec = r.rec
-        if not rec.active:
+        if not rec.active or nested_step():
             return
         if "optimizer" in rec.phases:
             for p, mcode, tcode, pname in r.params:
@@ -171,8 +194,14 @@ def attach_optimizer(r: Recording, optimizer: torch.optim.Optimizer) -> None:
 
     r.handles.append(optimizer.register_step_post_hook(post))
     if _records_reduced(r):
-        r.handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: record_reduced(r)))
-    r.handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: applied_norm(r)))
+        r.handles.append(
+            optimizer.register_step_pre_hook(
+                lambda opt, args, kwargs: None if nested_step() else record_reduced(r)
+            )
+        )
+    r.handles.append(
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: None if nested_step() else applied_norm(r))
+    )
 
 
 def attach_scaler(r: Recording, scaler: torch.amp.GradScaler) -> None:

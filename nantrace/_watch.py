@@ -44,7 +44,7 @@ from . import _store
 from ._drill import issues_collectives
 from ._hooks import eager, in_backward
 from ._naming import is_sharded
-from ._scaler import current_lr
+from ._scaler import current_lr, nested_step
 from ._schema import PHASE_CODE, PHASES, RECORDED
 from ._tree import flatten
 
@@ -590,12 +590,14 @@ class Watch:
             self.flags.append(_Flag(phase, max(index, 0), got[0], got[1]))
 
     def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if nested_step():
+            return
         self.opt_mode = self.mode  # the recording's post-hook may close a full step before ours runs
         if self._watching() and not self.checked:
             self._check(None, scaled=False)
 
     def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._watching() or self.opt_mode != "watch":
+        if not self._watching() or self.opt_mode != "watch" or nested_step():
             return
         r = self.r
         ps = self.param_set = _Params.current(self.param_set, r.params)

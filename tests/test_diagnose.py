@@ -183,6 +183,102 @@ def test_c07_adam_eps_in_pure_fp16_is_optimizer() -> None:
     assert any("master weights" in a for a in d.advice)
 
 
+class DivideByState(torch.optim.Optimizer):
+    """Plain SGD whose second step() divides the biases by a zero state: a float32 optimizer fault with finite
+    gradients and a finite learning rate."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.01})
+        self.calls = 0
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.calls += 1
+        for p in self.param_groups[0]["params"]:
+            p.sub_(0.01 * p.grad)
+            if self.calls == 2 and p.dim() == 1:
+                p.div_(torch.zeros_like(p))
+
+
+def _float32_optimizer_run(opt_of: Any) -> Trace:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = opt_of(model.parameters())
+    with nantrace.trace(model, optimizer=opt) as tr:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+    return tr
+
+
+def test_a_float32_optimizer_fault_is_not_explained_by_eps_rounding() -> None:
+    """In float32 eps=1e-8 and grad² do not round to 0: the text names the optimizer's own arithmetic, not Adam
+    or model.half() (was the float16 eps advice for an SGD in float32, found by the new-user check)."""
+    tr = _float32_optimizer_run(DivideByState)
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase, ov.module, ov.tensor) == (1, "optimizer", "0", "bias")
+    assert str(ov).splitlines()[1] == (
+        "At step 1, gradients were finite but optimizer.step() made `bias` of `0` (Linear) +inf (float32). In "
+        "float32 a finite gradient becomes non-finite only in the optimizer's own arithmetic: an update beyond "
+        "3.403e+38 (learning rate 0.01) or an invalid operation in step() (0/0, a division by a zero state): check "
+        "the learning rate and the optimizer's hyper-parameters, and a custom optimizer's step()."
+    )
+    d = diagnose(tr)
+    assert d.cause == "optimizer"
+    assert d.advice == [
+        "In float32 a finite gradient becomes non-finite only in DivideByState.step()'s own arithmetic: an update "
+        "beyond 3.403e+38 or an invalid operation (0/0, a division by a state that is 0). Check the learning rate "
+        "and the optimizer's hyper-parameters, and a custom optimizer's step()."
+    ]
+    assert not any("eps" in e or "Adam" in e for e in d.evidence)
+
+
+def test_an_infinite_learning_rate_is_named_as_the_fix() -> None:
+    tr = _float32_optimizer_run(lambda p: torch.optim.SGD(p, lr=math.inf))
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase) == (0, "optimizer")
+    assert (
+        str(ov)
+        .splitlines()[1]
+        .endswith("The learning rate was inf at this step: set a finite one (check what set it).")
+    )
+    d = diagnose(tr)
+    assert d.cause == "optimizer" and "learning rate inf" in d.evidence
+    assert d.advice == [
+        "Set a finite learning rate: it was inf at step 0 (check what set it: a scheduler, a config)."
+    ]
+
+
+def test_adam_in_float16_counts_the_gradients_that_are_exactly_zero() -> None:
+    """ReLU zeros half of the first layer's gradient rows: their grad² is 0 in any dtype, and with eps 0 in
+    float16 Adam's step there is 0/0. The text says how many, and 'every non-zero value' for the range."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)).half()
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+        model[0].bias.copy_(torch.tensor([1.0, 1.0, -9.0, -9.0]))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)
+    with nantrace.trace(model, optimizer=opt) as tr:
+        opt.zero_grad()
+        model(torch.ones(2, 4, dtype=torch.float16)).sum().backward()
+        opt.step()
+    d = diagnose(tr)
+    assert d.cause == "optimizer" and d.overflow is not None
+    name = d.overflow.tensor
+    grad = tr.records.query(
+        f"phase == 'backward' and module == '{d.overflow.module}' and tensor == '{name}.grad'"
+    )
+    n0, n = int(grad["n_zero"].iloc[0]), int(grad["numel"].iloc[0])
+    assert n0 > 0
+    line = next(e for e in d.evidence if e.startswith("Adam's default eps=1e-8 rounds to 0 in float16"))
+    assert line.endswith(
+        f"; {n0} of {n} values of `{name}.grad` are exactly 0: their grad² and first moment are 0, and with eps 0 "
+        "Adam's step there is 0/0 = NaN"
+    )
+    assert "(every value above" not in line
+
+
 def _c08(steps: int) -> Trace:
     torch.manual_seed(0)
     model = nn.Linear(4, 3)

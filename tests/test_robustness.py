@@ -1241,3 +1241,31 @@ def test_flatten_list_gives_the_paths_of_flatten_for_every_shape() -> None:
         want = list(flatten(obj, "input"))
         assert [(p, id(t)) for p, t in got] == [(p, id(t)) for p, t in want], obj
     assert [p for p, _ in flatten_list((a, b), "output")] == ["output[0]", "output[1]"]
+
+
+class SuperStepSGD(torch.optim.SGD):
+    """An optimizer subclass whose step() calls its base class's: once SGD itself has been instantiated in the
+    process, torch runs the step hooks for both patched step() calls."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("make", [nantrace.trace, nantrace.watch], ids=["trace", "watch"])
+def test_an_optimizer_subclass_calling_super_step_is_one_step(make: Any) -> None:
+    torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)  # SGD.step patched, as in any process that used SGD
+    torch.manual_seed(0)
+    model = nn.Linear(2, 2)
+    opt = SuperStepSGD(model.parameters(), lr=0.1)
+    fired: list[int] = []
+    opt.register_step_post_hook(lambda *a: fired.append(1))
+    with make(model, optimizer=opt, **({"every": 1} if make is nantrace.watch else {})) as tr:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+    assert len(fired) == 6  # torch's own double firing, which nantrace must not count as steps
+    assert tr.steps["step"].tolist() == [0, 1, 2]
+    rows = tr.records.query("phase == 'optimizer'")
+    assert rows.groupby("step").size().tolist() == [2, 2, 2]  # weight and bias once per step
