@@ -10,6 +10,7 @@ import pandas as pd
 
 from ._diagnosis import DIVERGENCE_UPDATE_RATIO, HEADLINE_MAX, HEALTHY_UPDATE_RATIO, Diagnosis
 from ._evidence import (
+    WEIGHTS_HELD,
     call_arity,
     class_advice,
     discarded_op,
@@ -419,6 +420,11 @@ def _invalid_forward(run: Facts, ev: Overflow) -> Diagnosis:
         f"{module_label(ev.module)} {_CLASS_SUMMARY.get(oe.op_class, 'made a non-finite value')} at step "
         f"{ev.step}{op}: not an overflow."
     )
+    if oe.what == WEIGHTS_HELD:
+        summary = (
+            f"{module_label(ev.module)} computed {what} at step {ev.step} from its own weights, which already "
+            "held non-finite values: not this forward's arithmetic."
+        )
     return Diagnosis("invalid_op", ev, evidence, advice, summary)
 
 

@@ -49,6 +49,7 @@ from ._view import RunView
 
 __all__ = [
     "OP_CLASSES",
+    "WEIGHTS_HELD",
     "OpEvidence",
     "Operand",
     "backward_dtype",
@@ -58,8 +59,10 @@ __all__ = [
     "discarded_op",
     "headline",
     "mean_over_nothing",
+    "nonfinite_words",
     "op_evidence",
     "weights_beyond_event",
+    "weights_nonfinite",
 ]
 
 OP_CLASSES: tuple[str, ...] = ("overflow", "singular", "invalid", "cast", "reduction", "mask_arithmetic")
@@ -95,6 +98,7 @@ _REDUCTIONS = {
     "trace",
 }
 _HELD_INF = "its inputs held +inf"
+WEIGHTS_HELD = "its own non-finite weights"  # the ``what`` of a call that computed from them
 _ARITH = {"add", "sub", "mul", "rsub", "addcmul", "masked_fill", "where", "fill", "matmul"}
 
 
@@ -388,6 +392,80 @@ def weights_beyond_event(view: RunView, ov: Overflow) -> tuple[list[tuple[str, s
     return view.model.params_beyond(ov.module, limit), True
 
 
+def weights_nonfinite(view: RunView, ov: Overflow) -> list[tuple[str, str, int]]:
+    """Own parameters of the event's module that already held NaN/inf when its forward ran: ``(parameter, kind,
+    step)`` where ``step`` is the first of the trailing ``optimizer`` rows before the event that show it
+    non-finite (``optimizer.step()`` of that step wrote it), or -1 when read from the live model of a recording
+    (under the condition of :func:`weights_beyond_event`: no ``optimizer.step()`` changed them after that
+    forward). Empty for an event that is not a forward one, or when its inputs held inf/NaN already."""
+    if ov.phase != "forward" or ov.module == "":
+        return []
+    inputs = call_input_rows(view, ov)
+    if len(inputs) and int(inputs[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum()):
+        return []
+    records = _rank_rows(view.records, ov, _many(view))
+    if "reduced" in records.columns and len(records):
+        records = records[~records["reduced"].to_numpy(dtype=bool)]
+    opt = records[
+        (records["phase"].astype(str).to_numpy() == "optimizer")
+        & (records["module"].astype(str).to_numpy() == ov.module)
+    ]
+    out: list[tuple[str, str, int]] = []
+    for tensor, g in opt[opt["step"].to_numpy() < ov.step].groupby(opt["tensor"].astype(str), sort=False):
+        g = g.sort_values("step")
+        bad = (g["n_nan"].to_numpy() + g["n_posinf"].to_numpy() + g["n_neginf"].to_numpy()) > 0
+        if not bad[-1]:
+            continue
+        i = len(bad) - 1
+        while i > 0 and bad[i - 1]:
+            i -= 1
+        kind = "nan" if int(g["n_nan"].iloc[-1]) else "inf"
+        out.append((str(tensor), kind, int(g["step"].iloc[i])))
+    if out or view.model is None:
+        return out
+    steps = _rank_rows(view.steps, ov, _many(view))
+    later = steps[steps["step"].to_numpy() >= ov.step] if len(steps) else steps
+    changed_after = bool((opt["step"].to_numpy() >= ov.step).any())
+    skipped_after = bool(len(later)) and all(v is True for v in later["skipped"].tolist())
+    if changed_after or not skipped_after:
+        return []
+    return [(p, k, -1) for p, k in view.model.params_nonfinite(ov.module)]
+
+
+def nonfinite_words(view: RunView, ov: Overflow, bad: list[tuple[str, str, int]]) -> str:
+    """ "`weight` held NaN since optimizer.step() of step 2" for :func:`weights_nonfinite`'s rows."""
+    words = []
+    for pname, kind, since in bad:
+        what = "NaN" if kind == "nan" else "inf"
+        if since >= 0:
+            words.append(f"`{pname}` held {what} since optimizer.step() of step {since}")
+            continue
+        last = _last_finite(view, ov, pname)
+        words.append(
+            f"`{pname}` held {what} in the live model"
+            + (
+                f", where its last optimizer row (step {last}) was finite: it was written outside optimizer.step()"
+                if last is not None
+                else ""
+            )
+        )
+    return "; ".join(words)
+
+
+def _last_finite(view: RunView, ov: Overflow, pname: str) -> int | None:
+    r = _rank_rows(view.records, ov, _many(view))
+    rows = r[
+        (r["phase"].astype(str).to_numpy() == "optimizer")
+        & (r["module"].astype(str).to_numpy() == ov.module)
+        & (r["tensor"].astype(str).to_numpy() == pname)
+        & (r["step"].to_numpy() < ov.step)
+    ]
+    if not len(rows):
+        return None
+    last = rows.sort_values("step").iloc[-1]
+    return int(last["step"]) if int(last["n_nan"] + last["n_posinf"] + last["n_neginf"]) == 0 else None
+
+
 # ---------------------------------------------------------------------------------------------- classes
 def _operands(text: Any) -> tuple[tuple[Operand, ...], tuple[tuple[float, str], ...], bool, str | None]:
     """``(operands, vanished constants, recorded, the result's dtype or None)`` of the ``operands`` JSON."""
@@ -570,6 +648,9 @@ def _classify_call(view: RunView, ov: Overflow, kind: str, beyond: bool) -> tupl
         )
     pos = bool(len(inputs)) and int(inputs["n_posinf"].sum()) > 0
     neg = bool(len(inputs)) and int(inputs["n_neginf"].sum()) > 0
+    bad = weights_nonfinite(view, ov) if not (pos or neg) else []
+    if bad:  # the call computed from its own non-finite weights: nothing in the call made the value
+        return "invalid", f"its own parameter {nonfinite_words(view, ov, bad)}", WEIGHTS_HELD
     if kind == "nan":
         if pos:
             return "invalid", _HELD_INF, "inf − inf, 0·inf or inf/inf"
@@ -697,6 +778,8 @@ def headline(ov: Overflow, ev: OpEvidence | None, limit: int = 160) -> str:
             line = f"{where}: {module_label(ov.module)} `{ov.tensor}` held {words} ({ov.dtype})"
         return _fit(line, limit)
     what = _VERBS[ev.op_class].format(dtype=ev.dtype, kind=KIND_WORDS[ev.raw_kind], what=ev.what)
+    if ev.what == WEIGHTS_HELD:
+        what = f"computed {KIND_WORDS[ev.raw_kind]} from its own non-finite weights ({ev.dtype})"
     op = f" (`{ev.op}`)" if ev.op is not None else f" ({ov.module_type})"
     who = "the backward of " if ov.phase == "backward" else ""
     return _fit(f"{where}: {who}{module_label(ov.module)}{op} {what}", limit)
@@ -749,6 +832,12 @@ def class_advice(ev: OpEvidence, module: str) -> list[str]:
             )
         out.append(
             "Not an overflow: a lower loss scale does not remove it, and a wider dtype only with an eps it can hold."
+        )
+    elif ev.op_class == "invalid" and ev.what == WEIGHTS_HELD:
+        out.append(
+            f"The weights of {name} were already non-finite ({ev.because.removeprefix('its own parameter ')}): "
+            "the fault is what wrote them (an optimizer step whose own fault came first, a manual edit, a "
+            "state-dict load), not this forward. Restore them from a checkpoint and fix that writer."
         )
     elif ev.op_class == "invalid":
         held_inf = any(o.posinf or o.neginf for o in ev.operands) or ev.because == _HELD_INF

@@ -16,6 +16,7 @@ import torch
 
 from ._errors import NantraceError
 from ._evidence import (
+    WEIGHTS_HELD,
     OpEvidence,
     class_advice,
     headline,
@@ -258,6 +259,11 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
             *facts,
             f"{fix} well below {num(dmax)}; or keep {name} in float32 (call it inside torch.autocast(..., "
             "enabled=False) with a .float() input), or use bfloat16.",
+        ]
+    if oe.what == WEIGHTS_HELD:  # it computed from its own weights, which already held the value
+        return [
+            f"{head}, from finite inputs (input absmax {in_absmax}): {oe.because.replace('its own parameter', 'its parameter', 1)}.",
+            *class_advice(oe, module),
         ]
     leak = inputs_had_inf and ev.raw_kind != "nan"  # the -inf of a mask/bias input went on into values
     if oe.op_class in ("singular", "invalid", "mask_arithmetic") and oe.op is not None and not leak:

@@ -85,6 +85,27 @@ class LiveModel:
         prefix = f"{name}." if name else ""
         return any(n.startswith(prefix) and n != name and n not in self._traced for n in self._by_name)
 
+    def params_nonfinite(self, name: str) -> list[tuple[str, str]]:
+        """The own parameters of module ``name`` that hold NaN or inf now: ``(parameter, "nan" | "inf")``. One
+        on-device reduction and one host read per parameter of that one module."""
+        m = self._by_name.get(name)
+        if m is None:
+            return []
+        out: list[tuple[str, str]] = []
+        with torch.no_grad():
+            for pname, p in m.named_parameters(recurse=False):
+                if (
+                    type(p) not in (torch.Tensor, nn.Parameter)
+                    or not p.is_floating_point()
+                    or p.numel() == 0
+                    or p.is_meta
+                ):
+                    continue
+                total = float(p.detach().sum(dtype=torch.float64).item())  # NaN or ±inf when some value is
+                if not math.isfinite(total):
+                    out.append((pname, "nan" if bool(torch.isnan(p).any()) else "inf"))
+        return out
+
     def params_beyond(self, name: str, limit: float) -> list[tuple[str, str, float, int]]:
         """The own parameters of module ``name`` whose finite absmax exceeds ``limit`` while their dtype is wider
         than the limit's: ``(parameter, dtype, absmax, -1)``, largest first. One on-device reduction

@@ -942,3 +942,64 @@ def test_fp16_readiness_from_a_bf16_run_flags_what_float16_cannot_hold() -> None
         "bfloat16",
     )
     assert top["headroom_bits"] == pytest.approx(math.log2(65504 / 400000), abs=0.01)
+
+
+def test_a_later_step_computing_from_weights_the_optimizer_made_nan_says_so() -> None:
+    """After step 1's optimizer.step() divides the biases by 0 (±inf), step 2's Linear computes +inf from them: its
+    event says which weights held it since which step, not 'an invalid op: add eps' (found by the new-user
+    check)."""
+    tr = _float32_optimizer_run(DivideByState)
+    later = tr.overflows().set_index("step")
+    assert later.loc[2, "module"] == "0" and later.loc[2, "phase"] == "forward"
+    msg = later.loc[2, "message"]
+    assert (
+        msg.splitlines()[0]
+        == "step 2 forward: `0` (Linear) computed +inf from its own non-finite weights (float32)"
+    )
+    assert (
+        "from finite inputs (input absmax 1): its parameter `bias` held inf since optimizer.step() of step 1."
+    ) in msg
+    assert "add eps" not in msg
+
+
+class NormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm = nn.Linear(4, 4), nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x))
+
+
+def test_a_nan_written_into_a_norm_weight_between_steps_is_named_from_the_live_model() -> None:
+    """Before step 2 the loop writes NaN into the LayerNorm's weight (outside optimizer.step()); the GradScaler
+    skips every later step, so the live weight is the one that forward used."""
+    torch.manual_seed(0)
+    model = NormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    with nantrace.trace(model, scaler=scaler, optimizer=opt) as tr:
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    model.norm.weight[1] = math.nan
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.ones(2, 4)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert tr.steps["skipped"].tolist() == [False, False, True, True]
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase, ov.module, ov.kind) == (2, "forward", "norm", "nan")
+    d = diagnose(tr)
+    assert d.cause == "invalid_op"
+    assert d.summary == (
+        "`norm` computed NaN at step 2 from its own weights, which already held non-finite values: not this "
+        "forward's arithmetic."
+    )
+    assert (
+        "invalid: its own parameter `weight` held NaN in the live model, where its last optimizer row (step 1) was "
+        "finite: it was written outside optimizer.step()"
+    ) in d.evidence
+    assert d.advice[0].startswith("The weights of `norm` were already non-finite")
