@@ -81,6 +81,21 @@ def keep_fp32_advice(run: Facts, module: str, dtype: str, ev: Overflow | None = 
     )
 
 
+def range_advice(run: Facts, module: str, dtype: str, ev: Overflow, *, backward: bool = False) -> list[str]:
+    """Advice on the dtype's range: a narrow dtype (float16) gets float32 for the module, or bfloat16; a dtype
+    with float32's range (bfloat16, float32, float64) gets none of those (no wider dtype helps), but the blow-up
+    that reaching ~3.4e38 means."""
+    if dtype_max(dtype) < dtype_max("bfloat16"):
+        return [keep_fp32_advice(run, module, dtype, ev), bf16_advice()]
+    what = "gradients" if backward else "values"
+    fix = "clip gradients and lower the learning rate" if backward else "clamp or rescale what feeds it"
+    return [
+        f"{what.capitalize()} beyond {dtype}'s {num(dtype_max(dtype))} in {module_label(module)} mean a computation "
+        f"that blows up (exp or pow of a large input, a growing residual, weights or {what} growing over steps), "
+        f"not a dtype too narrow: {fix}, or lower the learning rate if they grew over steps."
+    ]
+
+
 def bf16_advice() -> str:
     return (
         "Or train in bfloat16 (`torch.autocast(device_type=..., dtype=torch.bfloat16)`): it has float32's range "
@@ -321,7 +336,7 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     skips = skips_text(run)
     if skips:
         evidence.append(skips)
-    advice = [keep_fp32_advice(run, ev.module, dtype, ev), bf16_advice()]
+    advice = range_advice(run, ev.module, dtype, ev)
     if own_code:
         advice.insert(
             0,
@@ -580,10 +595,7 @@ def backward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     fwd_in = run.rows_of(ev.step, "forward", module=ev.module, prefix="input")
     if len(fwd_in):
         evidence.append(f"its forward input absmax was {num(finite_absmax(fwd_in))}")
-    advice = [
-        keep_fp32_advice(run, ev.module, dtype, ev),
-        bf16_advice(),
-    ]
+    advice = range_advice(run, ev.module, dtype, ev, backward=True)
     if math.isnan(scale):
         advice.insert(
             0,

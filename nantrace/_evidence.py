@@ -800,11 +800,15 @@ def _matmul_advice(ev: OpEvidence, name: str) -> list[str]:
     limit = dtype_max(ev.dtype)
     if not bound > limit:
         return []
+    wider = (
+        ", or compute the product in float32 (`torch.matmul(a.float(), b.float())`)"
+        if limit < dtype_max("bfloat16")  # float32 holds what float16 cannot; nothing holds more than ~3.4e38
+        else ""
+    )
     return [
         f"In {name}: `{ev.op}` sums {k} products of operands of absmax {num(t[0].absmax)} and {num(t[1].absmax)} "
         f"(up to {num(bound)} > {num(limit)}): scale an operand down *before* the product (for attention "
-        "scores, q by 1/sqrt(head_dim) before q·kᵀ, when it is not already), or compute the product in float32 "
-        "(`torch.matmul(a.float(), b.float())`)."
+        f"scores, q by 1/sqrt(head_dim) before q·kᵀ, when it is not already){wider}."
     ]
 
 

@@ -291,7 +291,9 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
     extra = class_advice(oe, module)  # a reduction's or a matmul's own fix, from its operands
     if oe.op_class == "reduction":
         advice = extra
-    elif is_wide(dtype):  # float32/float64 already: a wider dtype is no cure
+    elif dtype_max(dtype) >= dtype_max(
+        "bfloat16"
+    ):  # float32's range already (bfloat16 too): no wider dtype cures
         advice = [
             f"Values beyond the {dtype} range mean a computation that blows up (exp or pow of a large "
             f"input, a growing residual or weight): clamp or rescale what feeds {name}, or lower the "

@@ -1003,3 +1003,31 @@ def test_a_nan_written_into_a_norm_weight_between_steps_is_named_from_the_live_m
         "finite: it was written outside optimizer.step()"
     ) in d.evidence
     assert d.advice[0].startswith("The weights of `norm` were already non-finite")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_an_overflow_in_a_dtype_of_float32s_range_gets_no_wider_dtype_advice(dtype: torch.dtype) -> None:
+    """A Linear of weights 1e20 on inputs of 1e20 sums 4 products of 1e40, beyond ~3.4e38 in bfloat16 and in
+    float32 alike: neither 'keep it in float32' nor 'train in bfloat16' helps (was advised to a bfloat16 run and
+    a float32 one, found by both new-user checks)."""
+    model = nn.Sequential(nn.Linear(4, 2)).to(dtype)
+    with torch.no_grad():
+        model[0].weight.fill_(1e20)
+        model[0].bias.zero_()
+    with nantrace.trace(model) as tr:
+        model(torch.full((1, 4), 1e20, dtype=dtype)).float().sum().backward()
+    ov = tr.first_overflow()
+    name = str(dtype).removeprefix("torch.")
+    assert ov is not None and (ov.phase, ov.module, ov.kind, ov.dtype) == ("forward", "0", "inf", name)
+    text = str(ov)
+    assert "use bfloat16" not in text and "compute the product in float32" not in text
+    assert f"Values beyond the {name} range mean a computation that blows up" in text
+    d = diagnose(tr)
+    assert d.cause == "forward_overflow"
+    limit = "3.39e+38" if dtype == torch.bfloat16 else "3.403e+38"
+    assert d.advice[-1] == (
+        f"Values beyond {name}'s {limit} in `0` mean a computation that blows up (exp or pow of a large input, a "
+        "growing residual, weights or values growing over steps), not a dtype too narrow: clamp or rescale what "
+        "feeds it, or lower the learning rate if they grew over steps."
+    )
+    assert not any("bfloat16 (`torch.autocast" in a or "in float32 while the rest" in a for a in d.advice)
