@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._opfacts import named_operands, note_vanished, operand_facts
-from ._stats import describable, op_input_kinds, tensor_kinds
+from ._stats import describable, either_sign, op_input_kinds, tensor_kinds
 from ._tree import clone_tree, flatten
 
 __all__ = [
@@ -133,7 +133,7 @@ class FirstNonfinite(TorchFunctionMode):
         for _, t in flatten(out, "out"):
             if not describable(t):
                 continue
-            new = tensor_kinds(t) - before - self.known
+            new = tensor_kinds(t) - either_sign(before) - self.known
             if new:
                 kind = next(k for k in _ORDER if k in new)
                 self.found = (name, kind, self.index - 1, user_line())

@@ -50,7 +50,7 @@ from ._hooks import in_backward
 from ._naming import module_names  # the same names as nantrace.trace()
 from ._repro import REPRO_NAMES, Repro
 from ._schema import DType, wanted_kinds
-from ._stats import describable, op_input_kinds, stats_device, stats_host
+from ._stats import describable, either_sign, op_input_kinds, stats_device, stats_host
 from ._stats import tensor_kinds as _kinds
 
 __all__ = ["Culprit", "hunt"]
@@ -386,7 +386,7 @@ class _Hunter:
         for leaf in tree_leaves(out):
             if not (isinstance(leaf, torch.Tensor) and describable(leaf) and leaf.device.type != "meta"):
                 continue
-            new = (_kinds(leaf) & self.wanted) - before
+            new = (_kinds(leaf) & self.wanted) - either_sign(before)  # a sign flip of an inf is not made
             if new:
                 value = next(k for k in _ORDER if k in new)
                 self._record(name, value, leaf.dtype, ranged or _input_range(tensors), before)

@@ -42,6 +42,7 @@ __all__ = [
     "N_STATS",
     "STAT_NAMES",
     "describable",
+    "either_sign",
     "is_clean_host",
     "op_input_kinds",
     "scalar_kinds",
@@ -374,8 +375,9 @@ def op_input_kinds(args: Any, kwargs: Any) -> tuple[list[torch.Tensor], frozense
     kinds its inputs already hold: those of those tensors, and those of its non-finite Python scalar arguments.
     A scalar ``-inf`` (``masked_fill(mask, -inf)``, ``where(c, x, -inf)``, ``torch.full(..., -inf)``,
     ``x * -inf``) is an intended value, so an output holding -inf from it is not produced; a kind beyond it
-    (NaN from ``0 * -inf``, a NaN softmax row of a fully masked row) is. Meta tensors are skipped. Call it
-    before the op runs (an in-place op overwrites its input)."""
+    (NaN from ``0 * -inf``, a NaN softmax row of a fully masked row) is. Compare an output's kinds with
+    :func:`either_sign` of these (an inf of one sign explains both). Meta tensors are skipped. Call it before the op runs (an in-place op overwrites its
+    input)."""
     tensors: list[torch.Tensor] = []
     before: frozenset[str] = frozenset()
     for leaf in tree_leaves((args, kwargs)):
@@ -386,3 +388,13 @@ def op_input_kinds(args: Any, kwargs: Any) -> tuple[list[torch.Tensor], frozense
         else:
             before |= scalar_kinds(leaf)
     return tensors, before
+
+
+_INFS = frozenset({"posinf", "neginf"})
+
+
+def either_sign(kinds: frozenset[str]) -> frozenset[str]:
+    """``kinds`` with both signs of inf when it holds one: an inf of either sign among an op's inputs explains
+    infs of both signs in its output (``x * inf`` with negative ``x``, ``-x``, ``a - inf``), so a sign flip is
+    not a kind produced; NaN from ``0 * inf`` or ``inf - inf`` still is."""
+    return kinds | _INFS if kinds & _INFS else kinds

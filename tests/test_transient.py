@@ -1120,3 +1120,29 @@ def test_a_score_overflow_before_a_softmax_nan_at_a_child_is_the_first_value_and
     assert _where(tr.first_overflow(kind="nan")) == (0, "forward", "inner", 0, "input[0]", "nan")
     d = tr.diagnose()
     assert d.cause == "forward_overflow" and _where(d.overflow) == _where(ov)
+
+
+class InfThenZero(nn.Module):
+    """``x * inf * 0``: the scalar inf is an intended value, and a negative ``x`` only flips its sign; the
+    product with 0 is the 0·inf that makes NaN."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * math.inf * 0.0
+
+
+def test_a_sign_flip_of_an_intended_inf_is_not_produced_the_nan_of_0_times_inf_is() -> None:
+    """Inputs of both signs: ``x * inf`` holds +inf and -inf, both explained by the scalar +inf (either sign);
+    the op that produced a kind is the ``* 0`` (was '-inf made by an invalid operation: 0·inf' at the first
+    multiply, found on BERT)."""
+    x = torch.tensor([[1.0, -1.0, 2.0, -2.0, 1.0, -1.0, 2.0, -2.0]], dtype=torch.float16)
+    tr, out = _run(InfThenZero(), x)
+    assert bool(torch.isnan(out).all())
+    assert _ops(tr) == [["inner", 0, "mul", "nan", _line(InfThenZero), True]]
+    ov = tr.first_overflow()
+    assert _where(ov) == (0, "forward", "inner", 0, "output", "nan")
+    assert (
+        str(ov).splitlines()[0]
+        == "step 0 forward: `inner` (`mul`) made NaN by an invalid operation: 0·inf (float16)"
+    )
+    culprit = nantrace.hunt(lambda: InfThenZero()(x))
+    assert culprit is not None and (culprit.op, culprit.kind) == ("aten::mul.Tensor", "nan")
