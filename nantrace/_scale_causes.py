@@ -211,7 +211,7 @@ def backoff(run: Facts, benign: list[Overflow]) -> Diagnosis:
     last = sk[-1] if sk else -1
     n_after = sum(1 for s in run.step_ids if s > last and run.skipped.get(s) is False)
     if n_after:
-        evidence.append(f"then {n_after} steps trained without a skip")
+        evidence.append(f"then {n_after} step{'' if n_after == 1 else 's'} trained without a skip")
     else:
         evidence.append(
             "the trace ended while the scaler was still backing off; trace more steps to confirm it settles"
