@@ -357,6 +357,13 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
         ]
     if oe is not None and class_advice(oe, ev.module):
         advice[:0] = class_advice(oe, ev.module)
+    elif in_absmax > limit and not own_code and not beyond:  # its input was beyond the dtype before it ran
+        advice.insert(
+            0,
+            f"The input of {module_label(ev.module)} (absmax {num(in_absmax)}) is already beyond {dtype}'s "
+            f"{num(limit)} before it computes anything: rescale or normalise it where it is made (the data, or what "
+            "runs before this module).",
+        )
     elif (
         ev.module_type in ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear") and not own_code and not beyond
     ):

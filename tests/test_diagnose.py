@@ -1031,3 +1031,18 @@ def test_an_overflow_in_a_dtype_of_float32s_range_gets_no_wider_dtype_advice(dty
         "feeds it, or lower the learning rate if they grew over steps."
     )
     assert not any("bfloat16 (`torch.autocast" in a or "in float32 while the rest" in a for a in d.advice)
+
+
+def test_an_input_already_beyond_float16_is_to_be_rescaled_where_it_is_made() -> None:
+    """A float32 input of absmax 2e5 that autocast casts to float16 for a Linear: the advice is about the input,
+    not the Linear's weights (was 'multiplies inputs … into values above 65504: … or shrink its weights')."""
+    model = nn.Sequential(nn.Linear(4, 2))
+    with nantrace.trace(model) as tr, torch.autocast("cpu", dtype=torch.float16):
+        model(torch.full((1, 4), 2e5)).float().sum().backward()
+    d = diagnose(tr)
+    assert d.cause == "forward_overflow" and d.overflow is not None and d.overflow.module == "0"
+    assert d.advice[0] == (
+        "The input of `0` (absmax 200000) is already beyond float16's 65504 before it computes anything: rescale "
+        "or normalise it where it is made (the data, or what runs before this module)."
+    )
+    assert not any("shrink its weights" in a for a in d.advice)
