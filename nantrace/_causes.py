@@ -474,9 +474,10 @@ def _invalid_backward(run: Facts, ev: Overflow) -> Diagnosis:
     if skips:
         evidence.append(skips)
     advice = [
-        f"0·inf in the backward of {module_label(ev.module)}: an op whose derivative is infinite at the values it saw "
-        "(log/log1p at 0, sqrt at 0, x/0) sits under a `torch.where`/mask that discards its result; the "
-        "discarded entries still send 0·inf = NaN back. Make the input safe *before* the op "
+        f"In the backward of {module_label(ev.module)}: an op whose derivative is not finite at the values it saw "
+        "(inf for log/log1p or sqrt at 0 and x/0, NaN for sqrt/log of a negative) sits under a `torch.where`/mask "
+        "that discards its result; the discarded entries still send 0·inf or 0·NaN = NaN back. Make the input safe "
+        "*before* the op "
         "(`safe = torch.where(keep, p, 0.0)`; then `torch.where(keep, f(safe), 0.0)`), or clamp it away from the "
         "singular point.",
         "`torch.autograd.detect_anomaly()` on one step names the exact backward function.",

@@ -362,10 +362,10 @@ def _loss(ev: Event) -> str:
 def _backward_tail(ev: Event, scale: float, name: str) -> str:
     if ev.raw_kind == "nan":
         return (
-            " Not an overflow (a lower loss scale does not remove it): an op whose derivative is infinite at "
-            "the values it saw (log/log1p or sqrt at 0, x/0) under a torch.where/mask that discards its "
-            "result still sends 0·inf = NaN back. Make its input safe before the op, or clamp it away from "
-            "the singular point."
+            " Not an overflow (a lower loss scale does not remove it): an op whose derivative is not finite at "
+            "the values it saw (inf for log/log1p or sqrt at 0 and x/0, NaN for sqrt/log of a negative) under a "
+            "torch.where/mask that discards its result still sends 0·inf or 0·NaN = NaN back. Make its input safe "
+            "before the op, or clamp it away from the singular point."
         )
     if scale != 1.0:
         return (

@@ -1046,3 +1046,24 @@ def test_an_input_already_beyond_float16_is_to_be_rescaled_where_it_is_made() ->
         "or normalise it where it is made (the data, or what runs before this module)."
     )
     assert not any("shrink its weights" in a for a in d.advice)
+
+
+class WhereSqrt(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, torch.sqrt(x), torch.zeros_like(x))
+
+
+def test_a_discarded_sqrt_of_a_negative_is_explained_as_0_times_nan_not_only_0_times_inf() -> None:
+    """sqrt(-1) is NaN, discarded by where; its derivative there is NaN, and 0·NaN is the backward's NaN: the text
+    names both kinds of non-finite derivative (was '0·inf … derivative is infinite' only)."""
+    model = nn.Sequential(WhereSqrt())
+    x = torch.tensor([[1.0, -1.0, 4.0]], requires_grad=True)
+    with nantrace.trace(model) as tr:
+        model(x).sum().backward()
+    d = diagnose(tr)
+    assert d.cause == "invalid_op" and d.overflow is not None and d.overflow.phase == "backward"
+    assert d.advice[0].startswith(
+        "In the backward of `0`: an op whose derivative is not finite at the values it saw (inf for log/log1p or "
+        "sqrt at 0 and x/0, NaN for sqrt/log of a negative)"
+    )
+    assert "0·inf or 0·NaN = NaN" in d.advice[0]
