@@ -96,6 +96,14 @@ def range_advice(run: Facts, module: str, dtype: str, ev: Overflow, *, backward:
     ]
 
 
+def _input_beyond_advice(module: str, in_absmax: float, dtype: str, limit: float) -> str:
+    return (
+        f"The input of {module_label(module)} (absmax {num(in_absmax)}) is already beyond {dtype}'s {num(limit)} "
+        "before it computes anything: rescale or normalise it where it is made (the data, or what runs before this "
+        "module)."
+    )
+
+
 def bf16_advice() -> str:
     return (
         "Or train in bfloat16 (`torch.autocast(device_type=..., dtype=torch.bfloat16)`): it has float32's range "
@@ -358,12 +366,7 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     if oe is not None and class_advice(oe, ev.module):
         advice[:0] = class_advice(oe, ev.module)
     elif in_absmax > limit and not own_code and not beyond:  # its input was beyond the dtype before it ran
-        advice.insert(
-            0,
-            f"The input of {module_label(ev.module)} (absmax {num(in_absmax)}) is already beyond {dtype}'s "
-            f"{num(limit)} before it computes anything: rescale or normalise it where it is made (the data, or what "
-            "runs before this module).",
-        )
+        advice.insert(0, _input_beyond_advice(ev.module, in_absmax, dtype, limit))
     elif (
         ev.module_type in ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear") and not own_code and not beyond
     ):
