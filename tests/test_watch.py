@@ -221,35 +221,25 @@ def _zoo_no_grad(make: Any) -> nantrace.Trace:
     return tr
 
 
-def _zoo_optimizer(make: Any) -> nantrace.Trace:
+def _zoo_optimizer(make: Any, micro_steps: int = 1) -> nantrace.Trace:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     with make(model, optimizer=opt) as tr:
         for step in range(3):
             opt.zero_grad()
-            model(torch.ones(2, 4)).sum().mul(100.0).backward()
-            if step == 1:
-                opt.param_groups[0]["lr"] = 3e38  # finite gradients, but lr · grad overflows float32
+            for _ in range(micro_steps):
+                model(torch.ones(2, 4)).sum().mul(100.0).backward()
+            # finite gradients, but lr · grad overflows float32 at step 1
+            opt.param_groups[0]["lr"] = 3e38 if step == 1 else 1e-2
             opt.step()
-            opt.param_groups[0]["lr"] = 1e-2
     return tr
 
 
 def _zoo_optimizer_accumulated(make: Any) -> nantrace.Trace:
     """The optimizer fault of :func:`_zoo_optimizer` after two micro-steps: the rows of the optimizer's step
     belong to the step's last micro-step (1), under watch as under trace."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with make(model, optimizer=opt) as tr:
-        for step in range(3):
-            opt.zero_grad()
-            for _ in range(2):
-                model(torch.ones(2, 4)).sum().mul(100.0).backward()
-            opt.param_groups[0]["lr"] = 3e38 if step == 1 else 1e-2
-            opt.step()
-    return tr
+    return _zoo_optimizer(make, micro_steps=2)
 
 
 @pytest.mark.parametrize(
