@@ -14,6 +14,7 @@ from ._evidence import (
     call_arity,
     class_advice,
     discarded_op,
+    loss_advice,
     mean_over_nothing,
     op_evidence,
     weights_beyond_event,
@@ -23,7 +24,7 @@ from ._facts import DivergenceFacts, Facts, ratio_per_step
 from ._fmt import attr_path, module_label, num, steps_text
 from ._masks import is_mask, lowest_masks
 from ._overflow import Overflow
-from ._ranges import finite_absmax
+from ._ranges import finite_absmax, own_parameters
 from ._schema import FP16_SMALLEST_NORMAL, FP16_SMALLEST_SUBNORMAL, dtype_max, is_wide
 
 __all__ = [
@@ -367,13 +368,13 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
         advice[:0] = class_advice(oe, ev.module)
     elif in_absmax > limit and not own_code and not beyond:  # its input was beyond the dtype before it ran
         advice.insert(0, _input_beyond_advice(ev.module, in_absmax, dtype, limit))
-    elif (
-        ev.module_type in ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear") and not own_code and not beyond
-    ):
+    elif not own_code and not beyond and (params := own_parameters(run.records, ev.module)):
+        owned = ", ".join(f"`{prefix}{p}`" for p in params)
         advice.insert(
             0,
-            f"{module_label(ev.module)} multiplies inputs of absmax {num(in_absmax)} into values above {num(limit)}: "
-            "rescale or normalise its input (a norm layer before it), or shrink its weights (init, weight decay).",
+            f"{module_label(ev.module)} turns inputs of absmax {num(in_absmax)} into values above {num(limit)} with "
+            f"its own parameters ({owned}): rescale or normalise its input (a norm layer before it), or shrink its "
+            "weights (init, weight decay).",
         )
     summary = (
         f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: "
@@ -560,8 +561,6 @@ def loss(run: Facts, ev: Overflow) -> Diagnosis:
             else skips
         )
     advice: list[str] = []
-    out_dtypes = [d for d in outs["dtype"].astype(str).unique().tolist() if d in ("float16", "bfloat16")]
-    half_outputs = bool(out_dtypes)
     if empty is not None:
         advice.append(
             f"Guard the reduction of the batch of step {ev.step}, which selected nothing (every label equal to "
@@ -573,15 +572,9 @@ def loss(run: Facts, ev: Overflow) -> Diagnosis:
                 else ""
             )
         )
-    elif loss_dtype in ("float16", "bfloat16") or (half_outputs and ev.kind == "inf"):
-        advice.append(
-            "Compute the loss in float32 from the model's outputs: `F.cross_entropy(logits.float(), target)`, or "
-            "`-F.log_softmax(logits.float(), -1).gather(-1, target[:, None])` instead of `-log(softmax(...))`, "
-            f"whose probability underflows to 0 in {out_dtypes[0] if out_dtypes else ev.dtype} (log(0) = -inf)."
-        )
-    if ev.tensor.startswith("loss") and empty is None:
-        advice.append("Check the targets and any log/division in the loss for zeros (clamp with an eps).")
-    elif not ev.tensor.startswith("loss"):
+    elif ev.tensor.startswith("loss"):
+        advice += loss_advice(outs, loss_dtype)
+    if not ev.tensor.startswith("loss"):
         advice.append(_loss_gradient_advice(run, ev, lv))
     summary = (
         f"The model's outputs were {'finite' if len(outs) else 'not recorded'} but {which} was non-finite at "

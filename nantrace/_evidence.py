@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -58,6 +59,8 @@ __all__ = [
     "class_advice",
     "discarded_op",
     "headline",
+    "loss_advice",
+    "loss_bounds",
     "mean_over_nothing",
     "nonfinite_words",
     "op_evidence",
@@ -713,6 +716,101 @@ def mean_over_nothing(grad_rows: pd.DataFrame) -> int | None:
     numel = int(grad_rows["numel"].sum())
     bad = int(grad_rows[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum())
     return numel if numel > 0 and bad == 0 and int(grad_rows["n_zero"].sum()) == numel else None
+
+
+def loss_bounds(outs: pd.DataFrame, dtype: str) -> list[tuple[str, str]]:
+    """Which common loss op of the model's recorded outputs leaves ``dtype``'s range, from their statistics alone.
+
+    ``outs``: the root module's ``output`` rows of the step (``min``, ``max``, ``absmax``, ``numel``). Returns
+    ``(op, fact)`` pairs, each fact a sentence true of those rows: ``"square"`` (one square of the absmax passes
+    the dtype's max) or ``"sum_squares"`` (the sum of squares over all their elements can), ``"exp"`` (exp of the
+    largest value passes it) and ``"softmax"`` (the values span more than ``-ln`` of the smallest subnormal, so a
+    softmax probability can round to 0 and ``log(softmax)`` be ``-inf``). Empty when none does, or when
+    ``dtype`` is not a floating dtype.
+    """
+    limit, tiny = dtype_max(dtype), _tiny(dtype)
+    if not len(outs) or math.isnan(limit) or math.isnan(tiny):
+        return []
+    mx = outs["max"].to_numpy(dtype="float64")
+    mn = outs["min"].to_numpy(dtype="float64")
+    hi = float(mx[np.isfinite(mx)].max()) if np.isfinite(mx).any() else math.nan
+    lo = float(mn[np.isfinite(mn)].min()) if np.isfinite(mn).any() else math.nan
+    a, n = finite_absmax(outs), int(outs["numel"].sum())
+    found: list[tuple[str, str]] = []
+    if a * a > limit:
+        found.append(("square", f"the square of their absmax {num(a)} is {num(a * a)}, beyond {num(limit)}"))
+    elif n * a * a > limit:
+        found.append(
+            (
+                "sum_squares",
+                f"a sum of squares over their {n} elements can reach {num(n * a * a)}, beyond {num(limit)}",
+            )
+        )
+    if hi > math.log(limit):
+        big = num(math.exp(hi)) if hi < 709 else "inf"
+        found.append(("exp", f"exp of their largest value {num(hi)} is {big}, beyond {num(limit)}"))
+    if hi - lo > -math.log(tiny):
+        found.append(
+            (
+                "softmax",
+                f"their values span {num(hi - lo)} (min {num(lo)}, max {num(hi)}), so a softmax probability can be "
+                f"below the smallest subnormal {num(tiny)} and round to 0 (log(0) = -inf)",
+            )
+        )
+    return found
+
+
+_LOSS_IF = {
+    "square": "squares them",
+    "sum_squares": "sums their squares",
+    "exp": "takes their exp",
+    "softmax": "takes log(softmax(...)) of them",
+}
+_LOSS_REMEDY = {
+    "square": "compute the squared error in float32 or scale the outputs and targets down",
+    "sum_squares": "reduce with `mean()` rather than `sum()`",
+    "exp": "subtract the row's max before exp (`torch.logsumexp`, `F.log_softmax`)",
+    "softmax": "use `F.log_softmax` / `F.cross_entropy` rather than `log(softmax(...))`",
+}
+
+
+def loss_advice(outs: pd.DataFrame, loss_dtype: str) -> list[str]:
+    """Advice for a non-finite loss from finite model outputs, from :func:`loss_bounds` in the outputs' own
+    narrow dtype (float16, bfloat16) and in float32. ``loss_dtype``: the recorded loss tensor's dtype, or
+    ``"not recorded"``. Returns sentences; when no bound holds, one pointing at the targets and the loss's own
+    log/division."""
+    dtypes = outs["dtype"].astype(str).unique().tolist() if len(outs) else []
+    narrow = next((d for d in dtypes if d in ("float16", "bfloat16")), None)
+    wide = loss_dtype if loss_dtype in ("float32", "float64") else "float32"
+    in_narrow = loss_bounds(outs, narrow) if narrow else []
+    in_wide = loss_bounds(outs, wide)
+    advice: list[str] = []
+    wide_ops = {op for op, _ in in_wide}
+    only = [(op, f) for op, f in in_narrow if op not in wide_ops]  # what float32 would not suffer
+    if only:
+        facts = "; ".join(f for _, f in only)
+        if loss_dtype == narrow or loss_dtype == "not recorded":
+            advice.append(
+                f"Compute the loss in float32 from the model's outputs (`loss_fn(output.float(), target)`): in "
+                f"{narrow}, {facts}."
+            )
+        else:
+            advice.append(
+                f"The loss is {loss_dtype}, but in {narrow} {facts}: cast the outputs before the loss's first op "
+                "(`loss_fn(output.float(), target)`)."
+            )
+    for op, fact in in_wide:
+        flows = "underflows" if op == "softmax" else "overflows"
+        advice.append(f"If the loss {_LOSS_IF[op]}, even {wide} {flows}: {fact}; {_LOSS_REMEDY[op]}.")
+    if "softmax" in {op for op, _ in only}:
+        advice.append(f"For a classification loss, {_LOSS_REMEDY['softmax']}.")
+    if not advice:
+        where = f"{narrow} or {wide}" if narrow else wide
+        advice.append(
+            f"No square, sum of squares, exp or softmax of these outputs leaves {where}'s range: check the targets "
+            "and any log or division in the loss (clamp its argument with an eps)."
+        )
+    return advice
 
 
 def _op_dtype(op: str, ops: tuple[Operand, ...], event_dtype: str, result_dtype: str | None = None) -> str:

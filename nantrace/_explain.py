@@ -20,6 +20,7 @@ from ._evidence import (
     OpEvidence,
     class_advice,
     headline,
+    loss_advice,
     mean_over_nothing,
     op_evidence,
     weights_beyond_event,
@@ -29,14 +30,12 @@ from ._hooks import CAST_OP
 from ._locate import Event, Finding, find
 from ._masks import is_mask, lowest_masks
 from ._overflow import Overflow
-from ._ranges import finite_absmax, last_optimizer_row
+from ._ranges import finite_absmax, last_optimizer_row, own_parameters
 from ._repro import captured_call
 from ._schema import KIND_WORDS, OVERFLOW_COLUMNS, dtype_max, is_wide, wanted_kinds
 from ._view import RunView
 
 __all__ = ["changed_outside", "first_overflow", "overflows", "samples_words", "weights_words"]
-
-_MATMUL_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Bilinear", "LazyLinear")
 
 
 def weights_words(
@@ -205,14 +204,18 @@ def _forward_head(ev: Event, op_dtype: str | None = None) -> tuple[str, bool]:
     )
 
 
-def _forward_nan_cause(ev: Event, inputs_had_inf: bool, own_code: bool) -> str:
-    dtype, mtype = str(ev.fields["dtype"]), str(ev.fields["module_type"])
+def _forward_nan_cause(view: RunView, ev: Event, inputs_had_inf: bool, own_code: bool) -> str:
+    dtype, module = str(ev.fields["dtype"]), str(ev.fields["module"])
     if inputs_had_inf:
         return "from inputs holding inf but no NaN: inf−inf, 0·inf or inf/inf (e.g. normalising an overflowed row)"
-    if mtype in _MATMUL_TYPES and not own_code and not is_wide(dtype):
+    known = view.meta.builtin_modules
+    params = own_parameters(view.records, module) if known is not None and module in known else []
+    if params and not own_code and not is_wide(dtype):
+        prefix = f"{module}." if module else ""
+        owned = ", ".join(f"`{prefix}{p}`" for p in params)
         return (
-            f"from inputs holding no inf/NaN: for a {mtype} that points to non-finite weights, not to an "
-            f"op such as 0/0; under autocast a float32 weight above {num(dtype_max(dtype))} becomes inf when cast "
+            f"from inputs holding no inf/NaN: a torch.nn layer with no code of its own and its own parameters "
+            f"({owned}) points to non-finite weights, not to an op such as 0/0; under autocast a float32 weight above {num(dtype_max(dtype))} becomes inf when cast "
             f"to {dtype} (no optimizer row before step {ev.fields['step']} shows one: check the absmax of "
             f"{module_label(str(ev.fields['module']))}'s weights, diagnose() reads it from a live trace)"
         )
@@ -273,7 +276,7 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
             *class_advice(oe, module),
         ]
     if ev.raw_kind == "nan":
-        cause = _forward_nan_cause(ev, inputs_had_inf, own_code)
+        cause = _forward_nan_cause(view, ev, inputs_had_inf, own_code)
         return [f"{head}, {cause}.", f"Finite input absmax {in_absmax}.", *facts, *class_advice(oe, module)]
     if leak:  # the -inf of a mask/bias input went on into values that are not a mask
         masks = _mask_inputs(ev.step_rows, micro)
@@ -351,12 +354,9 @@ def _loss(ev: Event) -> str:
                 "element contributed, so the loss was a mean over zero elements (0/0: every label `ignore_index`, "
                 "an empty mask). Skip such a batch or divide by `count.clamp_min(1)`."
             )
-    if is_wide(str(f["dtype"])):
+    if not tensor.startswith("loss"):
         return f"{head} Check the targets and any log, division or empty reduction in the loss."
-    return (
-        f"{head} Compute the loss in float32 (e.g. F.cross_entropy(logits.float(), y)) and use log_softmax "
-        "rather than log(softmax(...))."
-    )
+    return f"{head} {loss_advice(outs, str(f['dtype']))[0]}"
 
 
 def _backward_tail(ev: Event, scale: float, name: str) -> str:

@@ -12,7 +12,26 @@ import pandas as pd
 from ._masks import lowest_masks, unmasked
 from ._schema import FP16_MAX, dtype_max, is_wide
 
-__all__ = ["finite_absmax", "headroom_table", "last_optimizer_row", "lowest_rank_steps", "weights_beyond"]
+__all__ = [
+    "finite_absmax",
+    "headroom_table",
+    "last_optimizer_row",
+    "lowest_rank_steps",
+    "own_parameters",
+    "weights_beyond",
+]
+
+
+def own_parameters(records: pd.DataFrame, module: str) -> list[str]:
+    """The names of the parameters ``module`` itself owns (not its submodules'), sorted, from the rows that
+    record them: its ``optimizer`` rows (a parameter after ``optimizer.step()``) and its backward ``<name>.grad``
+    rows. Empty when no such row was recorded (no parameters, or none trained and no backward traced)."""
+    rows = records[records["module"].astype(str).to_numpy() == module]
+    phase, tensor = rows["phase"].astype(str).to_numpy(), rows["tensor"].astype(str)
+    names = set(tensor[phase == "optimizer"].tolist())
+    grads = tensor[(phase == "backward") & tensor.str.endswith(".grad").to_numpy()]
+    names.update(t[: -len(".grad")] for t in grads.tolist())
+    return sorted(names)
 
 
 def weights_beyond(
