@@ -24,7 +24,7 @@ from ._facts import DivergenceFacts, Facts, ratio_per_step
 from ._fmt import attr_path, module_label, num, steps_text
 from ._masks import is_mask, lowest_masks
 from ._overflow import Overflow
-from ._ranges import finite_absmax, own_parameters
+from ._ranges import finite_absmax, last_optimizer_row, own_parameters
 from ._schema import FP16_SMALLEST_NORMAL, FP16_SMALLEST_SUBNORMAL, dtype_max, is_wide
 
 __all__ = [
@@ -266,16 +266,11 @@ def _weights_evidence(
     made = "inf·0 or inf−inf then gives NaN" if nan_out else "and inf times the inputs gives inf"
     for pname, pdtype, absmax, since in beyond:
         if live:
-            last = run.records[
-                (run.phase == "optimizer")
-                & (run.module == ev.module)
-                & (run.tensor == pname)
-                & (run.step < ev.step)
-            ].sort_values("step")
+            last = last_optimizer_row(run.records, ev.module, pname, ev.step)
             shown = (
-                f"; its last optimizer row (step {int(last['step'].iloc[-1])}) showed "
-                f"{num(float(last['absmax'].iloc[-1]))}: it changed outside optimizer.step()"
-                if len(last)
+                f"; its last optimizer row (step {int(last['step'])}) showed {num(float(last['absmax']))}: it "
+                "changed outside optimizer.step()"
+                if last is not None
                 else ""
             )
             when = (

@@ -44,7 +44,7 @@ from ._fmt import module_label, num
 from ._hooks import CAST_OP
 from ._masks import lowest_masks
 from ._overflow import Overflow
-from ._ranges import finite_absmax, weights_beyond
+from ._ranges import finite_absmax, last_optimizer_row, weights_beyond
 from ._schema import KIND_WORDS, dtype_max
 from ._view import RunView
 
@@ -456,17 +456,11 @@ def nonfinite_words(view: RunView, ov: Overflow, bad: list[tuple[str, str, int]]
 
 
 def _last_finite(view: RunView, ov: Overflow, pname: str) -> int | None:
-    r = _rank_rows(view.records, ov, _many(view))
-    rows = r[
-        (r["phase"].astype(str).to_numpy() == "optimizer")
-        & (r["module"].astype(str).to_numpy() == ov.module)
-        & (r["tensor"].astype(str).to_numpy() == pname)
-        & (r["step"].to_numpy() < ov.step)
-    ]
-    if not len(rows):
+    """The step of the parameter's last optimizer row before the event, when that row was finite."""
+    last = last_optimizer_row(_rank_rows(view.records, ov, _many(view)), ov.module, pname, ov.step)
+    if last is None or int(last["n_nan"] + last["n_posinf"] + last["n_neginf"]):
         return None
-    last = rows.sort_values("step").iloc[-1]
-    return int(last["step"]) if int(last["n_nan"] + last["n_posinf"] + last["n_neginf"]) == 0 else None
+    return int(last["step"])
 
 
 # ---------------------------------------------------------------------------------------------- classes

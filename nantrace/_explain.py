@@ -55,10 +55,11 @@ def _since(records: pd.DataFrame, module: str, tensor: str, absmax: float, since
     last = last_optimizer_row(records, module, tensor, step)
     if last is None:
         return "in the live model (no optimizer row records it)"
-    if last[1] == absmax:
-        return f"in the live model, as after optimizer.step() of step {last[0]}"
+    at, shown = int(last["step"]), float(last["absmax"])
+    if shown == absmax:
+        return f"in the live model, as after optimizer.step() of step {at}"
     return (
-        f"in the live model, where its last optimizer row (step {last[0]}) showed {num(last[1])}: it changed "
+        f"in the live model, where its last optimizer row (step {at}) showed {num(shown)}: it changed "
         "outside optimizer.step()"
     )
 
@@ -70,7 +71,7 @@ def changed_outside(
     ``optimizer.step()`` (a manual edit, a state-dict load)."""
     for t, _, a, s in beyond:
         last = last_optimizer_row(records, module, t, step) if s < 0 else None
-        if last is not None and last[1] != a:
+        if last is not None and float(last["absmax"]) != a:
             return True
     return False
 

@@ -69,11 +69,10 @@ def weights_beyond(
     return sorted(out, key=lambda t: -t[2])
 
 
-def last_optimizer_row(
-    records: pd.DataFrame, module: str, tensor: str, before: int
-) -> tuple[int, float] | None:
-    """``(step, absmax)`` of parameter ``tensor`` of ``module`` in its latest ``optimizer`` row before step
-    ``before`` (its value after that ``optimizer.step()``); None when none is recorded."""
+def last_optimizer_row(records: pd.DataFrame, module: str, tensor: str, before: int) -> pd.Series | None:
+    """The latest ``optimizer`` row of parameter ``tensor`` of ``module`` before step ``before`` (its value
+    after that ``optimizer.step()``: ``step``, ``absmax``, the inf/NaN counts...); None when none is recorded.
+    The one lookup of "what the optimizer last left in this parameter"."""
     if not len(records):
         return None
     rows = records[
@@ -84,8 +83,7 @@ def last_optimizer_row(
     ]
     if not len(rows):
         return None
-    last = rows.sort_values("step").iloc[-1]
-    return int(last["step"]), float(last["absmax"])
+    return rows.sort_values("step", kind="stable").iloc[-1]
 
 
 def finite_absmax(rows: pd.DataFrame) -> float:
