@@ -11,8 +11,10 @@ callbacks compose one (they never reach into the facade): :meth:`Recording.pause
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -143,6 +145,7 @@ class Recording:
                 f"names look like {[n for n, _ in named[:6]]}"
             )
         self.handles: list[RemovableHandle] = []
+        self.hook_tails: list[tuple[OrderedDict[int, Any], frozenset[int]]] = []
         self.capture: Capture | None
         self.capture, capture_option = make_capture(
             options.capture, [named[0][0], *(n for n, _ in self.selected)], lambda: self.handles
@@ -398,6 +401,14 @@ class Recording:
             _ACTIVE[m] = self
             rec.recorded.add(m)  # the drill-down vouches only for outputs the trace records
         self.handles.append(self.root.register_forward_pre_hook(self._look_at_samples, with_kwargs=True))
+        ours = {h.id for h in self.handles}
+        self.hook_tails = [
+            (d, frozenset(ours & d.keys()))
+            for _, m in mods
+            for d in (m._forward_pre_hooks, m._forward_hooks)
+            if isinstance(d, OrderedDict) and ours & d.keys()
+        ]
+        self.handles.append(self.root.register_forward_pre_hook(self._hooks_last, prepend=True))
         seen: set[int] = set()
         for name, m in self.selected:  # parameters: gradient after accumulation, value after optimizer.step()
             for pname, p in m.named_parameters(recurse=False):
@@ -418,6 +429,20 @@ class Recording:
         if self.scaler is not None:
             _scaler.attach_scaler(self, self.scaler)
 
+    def _hooks_last(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Root pre-hook, first of all: keep this recording's forward (pre-)hooks the last ones of every traced
+        module, in their own order, so that a hook the user registered after the trace started (which may
+        change a module's inputs or output) runs before them and what it did is recorded as that module's.
+        Running last changes nothing of the user's: the recording's hooks return None."""
+        for d, ours in self.hook_tails:
+            if len(d) == len(ours) or ours.issuperset(itertools.islice(reversed(d), len(ours))):
+                continue
+            try:
+                for hid in [k for k in d if k in ours]:
+                    d.move_to_end(hid)
+            except (KeyError, RuntimeError):  # a hook dict changed under it: leave the order as it is
+                continue
+
     def _look_at_samples(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """After the recorder's root pre-hook: the per-sample flags of a recorded micro-step's model inputs."""
         r = self.rec
@@ -432,6 +457,7 @@ class Recording:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        self.hook_tails.clear()
         for h in self.rec.tensor_handles:
             h.remove()
         self.rec.tensor_handles.clear()

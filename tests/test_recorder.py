@@ -853,6 +853,52 @@ def test_an_inf_a_submodules_own_hook_writes_is_that_submodules_code_not_its_chi
     assert answers[0] == answers[1] == (0, "backward", "1", "HookInside", "grad_input[0]", "inf")
 
 
+def _two_linears() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+def _nan_where_negative(mod: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+    return out * torch.where(out > 0, 1.0, math.nan)
+
+
+def _inf_input(mod: nn.Module, args: tuple[Any, ...]) -> tuple[torch.Tensor]:
+    return (args[0] * math.inf,)
+
+
+@pytest.mark.parametrize("make", [nantrace.trace, nantrace.watch], ids=["trace", "watch"])
+def test_a_hook_the_user_registers_after_the_trace_started_is_recorded_as_that_modules(make: Any) -> None:
+    """Hooks registered after the trace started run before the recording's (moved to the end at the next root
+    forward): module 0's output row is what its user hook returned, module 2's input row what its user
+    pre-hook returned, and the first producer is module 0, not the root's code that passes its output on.
+    The user's hooks still take effect (the model's output equals an untraced run's), and on exit only the
+    user's hooks are left, in the order they were registered."""
+    x = torch.tensor([[1.0, -2.0, 0.5], [0.25, 1.0, -1.0]])
+    ref = _two_linears()
+    ref[0].register_forward_hook(_nan_where_negative)
+    ref[2].register_forward_pre_hook(_inf_input)
+    want = ref(x)
+    m = _two_linears()
+    with make(m, every=1) if make is nantrace.watch else make(m) as tr:
+        m(x)  # step 0: no user hook yet
+        h0 = m[0].register_forward_hook(_nan_where_negative)
+        h2 = m[2].register_forward_pre_hook(_inf_input)
+        extra = m[0].register_forward_hook(lambda mod, a, o: None)
+        got = m(x)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    ov = tr.first_overflow()
+    assert ov is not None
+    assert (ov.step, ov.phase, ov.module, ov.tensor, ov.kind) == (1, "forward", "0", "output", "nan")
+    hooked = m[0](x).detach()
+    row = one(tr.records, step=1, phase="forward", module="0", tensor="output")
+    assert int(row["n_nan"]) == int(hooked.isnan().sum()) > 0
+    row2 = one(tr.records, step=1, phase="forward", module="2", tensor="input[0]")
+    assert int(row2["n_nan"]) == int(hooked.relu().isnan().sum())
+    assert int(row2["n_posinf"] + row2["n_neginf"]) == int((hooked.relu() > 0).sum())
+    assert list(m[0]._forward_hooks) == [h0.id, extra.id]
+    assert list(m[2]._forward_pre_hooks) == [h2.id]
+
+
 class Shared(nn.Module):
     def __init__(self) -> None:
         super().__init__()
