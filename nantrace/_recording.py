@@ -405,6 +405,7 @@ class Recording:
         self.hook_tails = [
             (d, frozenset(ours & d.keys()))
             for _, m in mods
+            if m is not self.root  # the root's tables also hold watch's hooks, which keep their place
             for d in (m._forward_pre_hooks, m._forward_hooks)
             if isinstance(d, OrderedDict) and ours & d.keys()
         ]
@@ -430,18 +431,8 @@ class Recording:
             _scaler.attach_scaler(self, self.scaler)
 
     def _hooks_last(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        """Root pre-hook, first of all: keep this recording's forward (pre-)hooks the last ones of every traced
-        module, in their own order, so that a hook the user registered after the trace started (which may
-        change a module's inputs or output) runs before them and what it did is recorded as that module's.
-        Running last changes nothing of the user's: the recording's hooks return None."""
-        for d, ours in self.hook_tails:
-            if len(d) == len(ours) or ours.issuperset(itertools.islice(reversed(d), len(ours))):
-                continue
-            try:
-                for hid in [k for k in d if k in ours]:
-                    d.move_to_end(hid)
-            except (KeyError, RuntimeError):  # a hook dict changed under it: leave the order as it is
-                continue
+        """Root pre-hook, first of all: :func:`keep_last` on this recording's forward (pre-)hooks."""
+        keep_last(self.hook_tails)
 
     def _look_at_samples(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """After the recorder's root pre-hook: the per-sample flags of a recorded micro-step's model inputs."""
@@ -522,3 +513,18 @@ class Recording:
         for observer in self.observers:
             observer(self, n_chunks, closing, self.exiting)
         self.store.maybe_spill()
+
+
+def keep_last(tails: list[tuple[OrderedDict[int, Any], frozenset[int]]]) -> None:
+    """Keep a recording's forward (pre-)hooks the last ones of every traced module, in their own order
+    (``tails``: each hook table with the recording's ids in it), so that a hook the user registered after the
+    trace started (which may change a module's inputs or output) runs before them and what it did is recorded
+    as that module's. Running last changes nothing of the user's: the recording's hooks return None."""
+    for d, ours in tails:
+        if len(d) == len(ours) or ours.issuperset(itertools.islice(reversed(d), len(ours))):
+            continue
+        try:
+            for hid in [k for k in d if k in ours]:
+                d.move_to_end(hid)
+        except (KeyError, RuntimeError):  # a hook table changed under it: leave the order as it is
+            continue
