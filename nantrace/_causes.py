@@ -11,6 +11,7 @@ import pandas as pd
 from ._diagnosis import DIVERGENCE_UPDATE_RATIO, HEADLINE_MAX, HEALTHY_UPDATE_RATIO, Diagnosis
 from ._evidence import (
     WEIGHTS_HELD,
+    OpEvidence,
     call_arity,
     class_advice,
     discarded_op,
@@ -290,6 +291,64 @@ def _weights_evidence(
     return evidence
 
 
+def _transient(run: Facts, ev: Overflow, op: str | None) -> list[str]:
+    """Evidence for an inf that an op made inside a call whose recorded output stayed finite (a transient the
+    drill-down found and judged to change the call's output): that the output was finite, and whether anything
+    else of the step was recorded non-finite. Empty for any other event."""
+    if not op or ev.tensor.startswith("input"):
+        return []
+    out = run.rows_of(ev.step, "forward", module=ev.module, prefix="output")
+    out = out[(out["micro_step"].to_numpy() == ev.micro_step) & (out["call"].to_numpy() == ev.call)]
+    if not len(out) or int(out[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum()):
+        return []
+    lines = [
+        f"its output stayed finite (absmax {num(finite_absmax(out))}): the inf of `{op}` did not leave the call, "
+        "but the output depends on it (a replay with a finite value in its place computes another output)"
+    ]
+    rows = run.records[run.step == ev.step]
+    bad = int(rows[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum()) if len(rows) else 0
+    if bad == 0:
+        skipped = run.skipped.get(ev.step)
+        lines.append(
+            f"no tensor recorded at step {ev.step} held inf/NaN"
+            + (" and the GradScaler did not skip it" if skipped is False else "")
+            + ": so far it only changed values, it broke no step"
+        )
+    return lines
+
+
+def _forward_summary(
+    ev: Overflow,
+    dtype: str,
+    oe: OpEvidence | None,
+    transient_op: str | None,
+    beyond: list[tuple[str, str, float, int]],
+) -> str:
+    """The summary of a forward overflow: activations beyond the dtype, a transient op's inf inside the call, a
+    reduction's or cast's reason, or weights beyond the dtype."""
+    limit = dtype_max(dtype)
+    summary = (
+        f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: "
+        f"activations exceeded {num(limit)} from finite inputs."
+    )
+    if transient_op:
+        summary = (
+            f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} inside its forward at step {ev.step}: "
+            f"`{transient_op}` exceeded {num(limit)} from finite inputs; the call's output stayed finite."
+        )
+    if oe is not None and oe.op_class in ("reduction", "cast"):
+        summary = (
+            f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: "
+            f"{oe.because}."
+        )
+    if beyond:
+        summary = (
+            f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: its "
+            f"{beyond[0][1]} weights exceed {num(limit)}, so autocast's cast to {dtype} made them inf."
+        )
+    return summary
+
+
 def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     inputs = call_inputs(run, ev)
     in_absmax = finite_absmax(inputs)
@@ -324,6 +383,8 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
         evidence.append(f"the forward replay names the op: `{op}`")
         if oe is not None and oe.op is not None:
             evidence += oe.fact_lines()[1:]
+    transient = _transient(run, ev, op)
+    evidence += transient
     beyond, live = weights_beyond_of(run, ev)
     prefix = f"{ev.module}." if ev.module else ""
     evidence += _weights_evidence(run, ev, beyond, live)
@@ -371,20 +432,7 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
             f"its own parameters ({owned}): rescale or normalise its input (a norm layer before it), or shrink its "
             "weights (init, weight decay).",
         )
-    summary = (
-        f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: "
-        f"activations exceeded {num(limit)} from finite inputs."
-    )
-    if oe is not None and oe.op_class in ("reduction", "cast"):
-        summary = (
-            f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: "
-            f"{oe.because}."
-        )
-    if beyond:
-        summary = (
-            f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: its "
-            f"{beyond[0][1]} weights exceed {num(limit)}, so autocast's cast to {dtype} made them inf."
-        )
+    summary = _forward_summary(ev, dtype, oe, op if transient else None, beyond)
     return Diagnosis("forward_overflow", ev, evidence, advice, summary)
 
 

@@ -146,6 +146,28 @@ def test_tanh_gelu_pow_inf_below_the_square_root_is_found_from_the_cube_root(
     )
 
 
+@pytest.mark.parametrize(("value", "clean"), [(50.0, True), (300.0, False)], ids=["x50", "x300"])
+def test_a_transient_diagnosis_says_the_output_stayed_finite_and_whether_the_step_broke(
+    value: float, clean: bool
+) -> None:
+    """The diagnosis of a transient says the call's output stayed finite, in its summary and evidence, and,
+    only when no recorded tensor of the step held inf/NaN (x = 50: the backward's 3·x² = 7500 is finite), that it
+    broke no step; x = 300 makes the backward NaN (3·x² = inf times tanh's zero gradient), so it does not."""
+    tr, _ = _run(TanhGELU(), _full(value))
+    d = tr.diagnose()
+    assert d.cause == "forward_overflow"
+    assert d.summary == (
+        "`inner` (TanhGELU) overflowed float16 inside its forward at step 0: `pow` exceeded 65504 from finite "
+        "inputs; the call's output stayed finite."
+    )
+    assert (
+        f"its output stayed finite (absmax {value:g}): the inf of `pow` did not leave the call, but the output "
+        "depends on it (a replay with a finite value in its place computes another output)"
+    ) in d.evidence
+    broke = "no tensor recorded at step 0 held inf/NaN: so far it only changed values, it broke no step"
+    assert (broke in d.evidence) is clean
+
+
 def test_rmsnorm_without_upcast_silent_zero_is_the_producer() -> None:
     """Row 0 of 300s: x² = 90000 is inf, rsqrt(inf) = 0, the row is silently 0 (8 zeros out, none in)."""
     x = _full(300.0)
