@@ -21,7 +21,7 @@ from ._evidence import (
     weights_beyond_event,
 )
 from ._explain import samples_words
-from ._facts import DivergenceFacts, Facts, ratio_per_step
+from ._facts import DivergenceFacts, Facts, data_growth, ratio_per_step
 from ._fmt import attr_path, module_label, num, steps_text
 from ._masks import is_mask, lowest_masks
 from ._overflow import Overflow
@@ -317,6 +317,22 @@ def _transient(run: Facts, ev: Overflow, op: str | None) -> list[str]:
     return lines
 
 
+def data_growth_words(run: Facts, step: int) -> tuple[str, str] | None:
+    """``(evidence, advice)`` when the model's inputs grew up to ``step`` (:func:`nantrace._facts.data_growth`),
+    else None."""
+    t = data_growth(run, step)
+    if t is None:
+        return None
+    grew = f"×{num(t.growth)} over steps {t.first_step}–{t.last_step}"
+    return (
+        f"the model's inputs (phase data) grew {grew} (absmax {num(t.first)} → {num(t.last)}), rising in "
+        f"{t.rising:.0%} of the steps",
+        f"The model's inputs grow step after step ({grew}): if they are not meant to, normalise them where they "
+        "are made (divide by a running mean and std, or clip them); what the model computes from them grows "
+        "with them.",
+    )
+
+
 def _forward_summary(
     ev: Overflow,
     dtype: str,
@@ -402,6 +418,9 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     if skips:
         evidence.append(skips)
     advice = range_advice(run, ev.module, dtype, ev)
+    drift = data_growth_words(run, ev.step)
+    if drift is not None:
+        evidence.append(drift[0])
     if own_code:
         advice.insert(
             0,
@@ -432,6 +451,8 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
             f"its own parameters ({owned}): rescale or normalise its input (a norm layer before it), or shrink its "
             "weights (init, weight decay).",
         )
+    if drift is not None:
+        advice.insert(0, drift[1])
     summary = _forward_summary(ev, dtype, oe, op if transient else None, beyond)
     return Diagnosis("forward_overflow", ev, evidence, advice, summary)
 

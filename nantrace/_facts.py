@@ -41,6 +41,7 @@ __all__ = [
     "Facts",
     "Trend",
     "as_float",
+    "data_growth",
     "divergence",
     "fast_updates",
     "overflow_from_row",
@@ -224,6 +225,15 @@ class Facts:
             return pd.Series(dtype=np.float64)
         return pd.Series(self.absmax[m]).groupby(self.step[m]).max().sort_index()
 
+    def data_series(self, until: int) -> pd.Series:
+        """Per-step max finite absmax of the model's inputs (phase ``data``, masks left out), steps <= until."""
+        m = (self.phase == "data") & (self.step <= until) & np.isfinite(self.absmax)
+        if m.any():
+            m &= ~is_mask(self.records) & (self.absmax > 0)
+        if not m.any():
+            return pd.Series(dtype=np.float64)
+        return pd.Series(self.absmax[m]).groupby(self.step[m]).max().sort_index()
+
     def weight_series(self, before: int) -> pd.Series:
         m = (self.phase == "optimizer") & (self.step < before) & np.isfinite(self.absmax)
         if not m.any():
@@ -387,6 +397,17 @@ class DivergenceFacts:
     weights_steady: bool = False  # the weights grew at least DIVERGENCE_WEIGHT_GROWTH times, not in one jump
     grew: str = "activations and weights grew"  # what the summary says grew
     last_step: int | None = None  # the last step of the window the rule read
+
+
+def data_growth(run: Facts, step: int) -> Trend | None:
+    """The model's inputs growing up to ``step``: their per-step absmax (:meth:`Facts.data_series`) over the
+    trailing :data:`DIVERGENCE_WINDOW` recorded steps grew at least :data:`DIVERGENCE_GROWTH` times, rising in
+    at least :data:`DIVERGENCE_RISING` of the changes, over at least :data:`DIVERGENCE_MIN_STEPS` steps (the
+    thresholds activations are held to); None otherwise."""
+    t = trend(run.data_series(step))
+    if t.n < DIVERGENCE_MIN_STEPS or not (t.growth >= DIVERGENCE_GROWTH and t.rising >= DIVERGENCE_RISING):
+        return None
+    return t
 
 
 def series_of(values: Mapping[int, float], steps: Sequence[int]) -> pd.Series:

@@ -23,6 +23,7 @@ import nantrace
 from nantrace._compare import Comparison, compare
 from nantrace._diagnosis import CAUSES, Diagnosis
 from nantrace._facts import update_ratios
+from nantrace._fmt import num
 from nantrace._readiness import READINESS_COLUMNS, fp16_readiness
 
 Trace = nantrace.Trace
@@ -1067,3 +1068,29 @@ def test_a_discarded_sqrt_of_a_negative_is_explained_as_0_times_nan_not_only_0_t
         "sqrt at 0 and x/0, NaN for sqrt/log of a negative)"
     )
     assert "0·inf or 0·NaN = NaN" in d.advice[0]
+
+
+def test_inputs_that_grow_every_step_are_named_in_a_forward_overflow() -> None:
+    """The hunt example's features double every step (``GROWTH = 2``) until ``q @ kᵀ`` overflows float16 at step
+    8: the diagnosis says the model's inputs grew (their recorded absmax over the trailing 8 steps) and leads its
+    advice with normalising them; a trace with ``every=10`` records the inputs of step 0 only and says nothing
+    about them."""
+    from nantrace.examples.hunting import Trainer, batch, build
+
+    for every, seen in ((1, True), (10, False)):
+        model = build()
+        trainer = Trainer(model, lr=0.001)
+        with nantrace.trace(model, optimizer=trainer.optimizer, every=every) as tr:
+            for i in range(9):
+                if not math.isfinite(trainer.step(i)):
+                    break
+        d = tr.diagnose()
+        assert d.cause == "forward_overflow"
+        assert d.overflow is not None and (d.overflow.step, d.overflow.module) == (8, "blocks.0.attn")
+        first, last = (float(batch(s)[0].abs().max()) for s in (1, 8))
+        line = (
+            f"the model's inputs (phase data) grew ×{num(last / first)} over steps 1–8 (absmax {num(first)} → "
+            f"{num(last)}), rising in 100% of the steps"
+        )
+        assert (line in d.evidence) is seen
+        assert d.advice[0].startswith("The model's inputs grow step after step") is seen
