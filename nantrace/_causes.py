@@ -21,7 +21,7 @@ from ._evidence import (
     weights_beyond_event,
 )
 from ._explain import samples_words
-from ._facts import DivergenceFacts, Facts, data_growth, ratio_per_step
+from ._facts import DivergenceFacts, Facts, data_growth_words, ratio_per_step
 from ._fmt import attr_path, module_label, num, steps_text
 from ._masks import is_mask, lowest_masks
 from ._overflow import Overflow
@@ -315,22 +315,6 @@ def _transient(run: Facts, ev: Overflow, op: str | None) -> list[str]:
             + ": so far it only changed values, it broke no step"
         )
     return lines
-
-
-def data_growth_words(run: Facts, step: int) -> tuple[str, str] | None:
-    """``(evidence, advice)`` when the model's inputs grew up to ``step`` (:func:`nantrace._facts.data_growth`),
-    else None."""
-    t = data_growth(run, step)
-    if t is None:
-        return None
-    grew = f"×{num(t.growth)} over steps {t.first_step}–{t.last_step}"
-    return (
-        f"the model's inputs (phase data) grew {grew} (absmax {num(t.first)} → {num(t.last)}), rising in "
-        f"{t.rising:.0%} of the steps",
-        f"The model's inputs grow step after step ({grew}): if they are not meant to, normalise them where they "
-        "are made (divide by a running mean and std, or clip them); what the model computes from them grows "
-        "with them.",
-    )
 
 
 def _forward_summary(
@@ -853,6 +837,10 @@ def divergence_diagnosis(run: Facts, ev: Overflow | None, div: DivergenceFacts) 
         else "each update changes the weights too much for the activations to stay in range"
     )
     advice.append(f"Keeping a layer in float32 only postpones the overflow: {grows}.")
+    drift = data_growth_words(run, ev.step if ev is not None else max(run.step_ids, default=0))
+    if drift is not None:  # the inputs grew too: what the learning rate does not explain
+        evidence.append(drift[0])
+        advice.insert(0, drift[1])
     if ev is None:
         summary = (
             f"{div.grew[0].upper() + div.grew[1:]}: the run is diverging (no overflow yet); the learning rate is "

@@ -42,11 +42,13 @@ __all__ = [
     "Trend",
     "as_float",
     "data_growth",
+    "data_growth_words",
     "divergence",
     "fast_updates",
     "overflow_from_row",
     "ratio_per_step",
     "trend",
+    "unchanged_weights_loss_words",
     "update_ratios",
 ]
 
@@ -410,6 +412,38 @@ def data_growth(run: Facts, step: int) -> Trend | None:
     return t
 
 
+def data_growth_words(run: Facts, step: int) -> tuple[str, str] | None:
+    """``(evidence, advice)`` when the model's inputs grew up to ``step`` (:func:`data_growth`), else None."""
+    t = data_growth(run, step)
+    if t is None:
+        return None
+    grew = f"×{num(t.growth)} over steps {t.first_step}–{t.last_step}"
+    return (
+        f"the model's inputs (phase data) grew {grew} (absmax {num(t.first)} → {num(t.last)}), rising in "
+        f"{t.rising:.0%} of the steps",
+        f"The model's inputs grow step after step ({grew}): if they are not meant to, normalise them where they "
+        "are made (divide by a running mean and std, or clip them); what the model computes from them grows "
+        "with them.",
+    )
+
+
+def unchanged_weights_loss_words(run: Facts, step: int) -> str | None:
+    """Evidence that something other than the weights moved the loss: over ``step`` and the steps after it that
+    the GradScaler skipped (no update applied, the same weights), the loss changed at least
+    :data:`DIVERGENCE_LOSS_GROWTH` times; None otherwise."""
+    same = same_weights_losses(run, step)
+    if len(same) < 2:
+        return None
+    lo, hi = min(v for _, v in same), max(v for _, v in same)
+    if hi < DIVERGENCE_LOSS_GROWTH * lo:
+        return None
+    (a, first), (b, last) = same[0], same[-1]
+    return (
+        f"the loss went {num(first)} (step {a}) → {num(last)} (step {b}) on unchanged weights (the GradScaler "
+        f"skipped every update in between): the inputs or the targets moved it, not the optimizer"
+    )
+
+
 def series_of(values: Mapping[int, float], steps: Sequence[int]) -> pd.Series:
     """The finite, positive values of ``values`` at ``steps``, indexed by step."""
     s = pd.Series({st: values.get(st, math.nan) for st in steps}, dtype=np.float64)
@@ -528,7 +562,26 @@ def _stuck_after(run: Facts, step: int, before_jump: float, before: int) -> int:
         return 0
     later = [run.loss.get(st, math.nan) for st in run.step_ids if step < st < before]
     later = [v for v in later if math.isfinite(v)]
-    return len(later) if later and all(v >= DIVERGENCE_JUMP_LOSS * before_jump for v in later) else 0
+    if not (later and all(v >= DIVERGENCE_JUMP_LOSS * before_jump for v in later)):
+        return 0
+    same = [v for _, v in same_weights_losses(run, step)]
+    if len(same) >= 2 and max(same) >= DIVERGENCE_JUMP_LOSS * min(same):
+        return 0  # the loss moves as much with the weights unchanged: the inputs drive it, not the update
+    return len(later)
+
+
+def same_weights_losses(run: Facts, step: int) -> list[tuple[int, float]]:
+    """``(step, loss)`` of the finite, positive losses of ``step`` and of the steps after it that ran on the same
+    weights: while the GradScaler skips ``step`` and the steps after it, no update changes the weights."""
+    ids = [st for st in run.step_ids if st >= step]
+    out: list[tuple[int, float]] = []
+    for i, st in enumerate(ids):
+        v = run.loss.get(st, math.nan)
+        if math.isfinite(v) and v > 0:
+            out.append((st, v))
+        if run.skipped.get(st) is not True or (i + 1 < len(ids) and ids[i + 1] != st + 1):
+            break  # an update was applied after st (or steps are missing): later losses ran on other weights
+    return out
 
 
 def divergence(

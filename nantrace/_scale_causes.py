@@ -17,7 +17,7 @@ from ._diagnosis import (
     UNDERFLOW_ZERO_FRACTION,
     Diagnosis,
 )
-from ._facts import Facts, update_ratios
+from ._facts import Facts, data_growth_words, unchanged_weights_loss_words, update_ratios
 from ._fmt import module_label, num, steps_text
 from ._overflow import Overflow
 from ._ranges import finite_absmax, headroom_table
@@ -117,6 +117,13 @@ def collapse(run: Facts, ev: Overflow | None, skip_run: list[int]) -> Diagnosis:
             f"Make the loss smaller ({num(lv)}, beyond {dtype}'s {num(dtype_max(dtype))} before any scaling): a mean "
             "instead of a sum, normalised targets, or divide it by a constant.",
         )
+    moved = unchanged_weights_loss_words(run, skip_run[0])
+    if moved is not None:
+        evidence.append(moved)
+    drift = data_growth_words(run, skip_run[-1])
+    if drift is not None:
+        evidence.append(drift[0])
+        advice.insert(0, drift[1])
     advice.append(bf16_advice())
     clip = run.clipping()
     if clip is not None:
@@ -228,6 +235,20 @@ def backoff(run: Facts, benign: list[Overflow]) -> Diagnosis:
     summary = f"Benign loss-scale backoff: the GradScaler skipped {len(sk)} step(s)" + (
         ", then training proceeded." if n_after else "; the trace ends there."
     )
+    moved = unchanged_weights_loss_words(run, run.skip_run(sk[-1])[0]) if sk else None
+    if moved is not None:
+        evidence.append(moved)
+    drift = data_growth_words(run, max(run.step_ids, default=0))
+    if drift is not None:  # not benign: what the model is fed keeps growing
+        evidence.append(drift[0])
+        advice = [
+            drift[1],
+            "The skipped steps are the GradScaler reacting to it; a lower scale does not stop it.",
+        ]
+        summary = (
+            f"Loss-scale backoff while the model's inputs grow: the GradScaler skipped {len(sk)} step(s)"
+            + (", then training proceeded." if n_after else "; the trace ends there.")
+        )
     return Diagnosis("scaler_backoff", ev, evidence, advice, summary)
 
 

@@ -17,6 +17,7 @@ import nantrace
 from nantrace._diagnose import diagnose
 from nantrace._fmt import num
 from nantrace._schema import FP16_SMALLEST_SUBNORMAL
+from nantrace._view import RunView
 
 
 # ------------------------------------------------------------------------------------------ kind 4
@@ -831,3 +832,83 @@ def test_one_applied_update_that_blows_the_loss_up_under_a_scaler_is_divergence(
         [{**row, "loss": back[row["step"]]} for row in steps.to_dict("records")]  # type: ignore[index]
     )
     assert diagnose(conftest.frame_view(conftest.records_frame(rows), calm)).cause != "divergence"
+
+
+def _skipped_run_view(losses: list[float], data: list[float]) -> RunView:
+    """Step 0 applied, steps 1.. skipped (their gradients overflowed): ``losses`` per step, the model input's
+    absmax ``data`` per step."""
+    rows: list[dict[str, object]] = [
+        {"step": s, "phase": "data", "module": "", "tensor": "input[0]", "absmax": a}
+        for s, a in enumerate(data)
+    ]
+    rows += [
+        {"step": s, "phase": "backward", "module": "fc", "tensor": "weight.grad", "n_posinf": 1}
+        for s in range(1, len(losses))
+    ]
+    steps = [
+        {
+            "step": s,
+            "loss": v,
+            "skipped": s > 0,
+            "grad_norm": 1.0 if s == 0 else math.inf,
+            "scale": 65536.0 / 2**s,
+        }
+        for s, v in enumerate(losses)
+    ]
+    return conftest.frame_view(conftest.records_frame(rows), conftest.steps_frame(steps))
+
+
+def test_a_loss_that_moves_on_unchanged_weights_is_said_to_be_moved_by_the_inputs() -> None:
+    from nantrace._facts import Facts, same_weights_losses, unchanged_weights_loss_words
+
+    run = Facts(_skipped_run_view([1.0, 4.0, 9.0, 40.0], [1.0, 2.0, 4.0, 8.0]))
+    assert same_weights_losses(run, 1) == [(1, 4.0), (2, 9.0), (3, 40.0)]
+    assert same_weights_losses(run, 0) == [
+        (0, 1.0)
+    ]  # step 0's update was applied: step 1 ran on other weights
+    assert unchanged_weights_loss_words(run, 1) == (
+        "the loss went 4 (step 1) → 40 (step 3) on unchanged weights (the GradScaler skipped every update in "
+        "between): the inputs or the targets moved it, not the optimizer"
+    )
+    assert unchanged_weights_loss_words(Facts(_skipped_run_view([1.0, 4.0, 5.0, 6.0], [1.0] * 4)), 1) is None
+
+
+def test_data_growth_needs_four_times_over_the_window_rising_and_three_steps() -> None:
+    from nantrace._facts import Facts, data_growth_words
+
+    words = data_growth_words(Facts(_skipped_run_view([1.0] * 4, [1.0, 2.0, 4.0, 8.0])), 3)
+    assert words is not None
+    assert (
+        words[0]
+        == "the model's inputs (phase data) grew ×8 over steps 0–3 (absmax 1 → 8), rising in 100% of the steps"
+    )
+    assert words[1].startswith(
+        "The model's inputs grow step after step (×8 over steps 0–3): if they are not meant"
+    )
+    assert data_growth_words(Facts(_skipped_run_view([1.0] * 4, [1.0, 2.0, 3.0, 3.9])), 3) is None  # ×3.9
+    assert (
+        data_growth_words(Facts(_skipped_run_view([1.0] * 2, [1.0, 8.0])), 1) is None
+    )  # two steps: no trend
+    assert (
+        data_growth_words(Facts(_skipped_run_view([1.0] * 5, [1.0, 8.0, 4.0, 2.0, 6.0])), 4) is None
+    )  # 2 of 4 changes fall
+
+
+def test_a_jump_on_growing_inputs_is_not_divergence_but_names_the_inputs() -> None:
+    """Step 0 applied an update, the loss jumped ×5 at step 1 and every later step was skipped: with the loss
+    growing ×10 on the same weights and the inputs doubling every step, the update is not what blew up."""
+    view = _skipped_run_view([1.0, 6.0, 12.0, 25.0, 60.0], [1.0, 2.0, 4.0, 8.0, 16.0])
+    d = diagnose(view)
+    assert d.cause == "scaler_backoff"
+    assert d.summary == (
+        "Loss-scale backoff while the model's inputs grow: the GradScaler skipped 4 step(s); the trace ends there."
+    )
+    assert d.evidence[-2:] == [
+        "the loss went 6 (step 1) → 60 (step 4) on unchanged weights (the GradScaler skipped every update in "
+        "between): the inputs or the targets moved it, not the optimizer",
+        "the model's inputs (phase data) grew ×16 over steps 0–4 (absmax 1 → 16), rising in 100% of the steps",
+    ]
+    assert d.advice[0].startswith("The model's inputs grow step after step (×16 over steps 0–4)")
+    assert not any(a.startswith("Nothing to fix") for a in d.advice)
+    control = diagnose(_skipped_run_view([1.0, 6.0, 6.5, 7.0, 6.2], [1.0, 1.1, 1.0, 1.2, 1.1]))
+    assert control.cause == "divergence"  # the same jump on steady inputs, a loss stuck above it: divergence
