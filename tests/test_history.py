@@ -912,3 +912,31 @@ def test_a_jump_on_growing_inputs_is_not_divergence_but_names_the_inputs() -> No
     assert not any(a.startswith("Nothing to fix") for a in d.advice)
     control = diagnose(_skipped_run_view([1.0, 6.0, 6.5, 7.0, 6.2], [1.0, 1.1, 1.0, 1.2, 1.1]))
     assert control.cause == "divergence"  # the same jump on steady inputs, a loss stuck above it: divergence
+
+
+def test_a_divergence_while_the_inputs_grow_names_the_inputs_first() -> None:
+    """The unhealthy-update-ratio divergence of ``_fast_update_rows``, with the model's input doubling every
+    step: the evidence says the inputs grew and the advice leads with normalising them, before the lr."""
+    data = conftest.records_frame(
+        [
+            {
+                "step": s,
+                "phase": "data",
+                "module": "",
+                "tensor": "input[0]",
+                "absmax": 2.0**s,
+                "dtype": "bfloat16",
+            }
+            for s in range(4)
+        ]
+    )
+    records = pd.concat([_fast_update_rows(0.25), data], ignore_index=True)
+    losses = [2.94, 1.09, 5.33, 8.22]
+    steps = conftest.steps_frame([{"step": s, "loss": v, "lr": 0.4} for s, v in enumerate(losses)])
+    d = diagnose(conftest.frame_view(records, steps))
+    assert d.cause == "divergence"
+    assert d.evidence[-1] == (
+        "the model's inputs (phase data) grew ×8 over steps 0–3 (absmax 1 → 8), rising in 100% of the steps"
+    )
+    assert d.advice[0].startswith("The model's inputs grow step after step (×8 over steps 0–3)")
+    assert d.advice[1].startswith("Lower the (peak) learning rate")
