@@ -228,10 +228,12 @@ class Facts:
         return pd.Series(self.absmax[m]).groupby(self.step[m]).max().sort_index()
 
     def data_series(self, until: int) -> pd.Series:
-        """Per-step max finite absmax of the model's inputs (phase ``data``, masks left out), steps <= until."""
+        """Per-step max finite absmax of the model's floating-point inputs (phase ``data``; token ids and other
+        integer inputs and masks left out), steps <= until."""
         m = (self.phase == "data") & (self.step <= until) & np.isfinite(self.absmax)
         if m.any():
-            m &= ~is_mask(self.records) & (self.absmax > 0)
+            floating = self.records["dtype"].astype(str).str.startswith(("float", "bfloat")).to_numpy()
+            m &= floating & ~is_mask(self.records) & (self.absmax > 0)
         if not m.any():
             return pd.Series(dtype=np.float64)
         return pd.Series(self.absmax[m]).groupby(self.step[m]).max().sort_index()

@@ -892,6 +892,21 @@ def test_data_growth_needs_four_times_over_the_window_rising_and_three_steps() -
     assert (
         data_growth_words(Facts(_skipped_run_view([1.0] * 5, [1.0, 8.0, 4.0, 2.0, 6.0])), 4) is None
     )  # 2 of 4 changes fall
+    ids = [  # token ids double too, but they are not features: integer inputs are left out
+        {
+            "step": s,
+            "phase": "data",
+            "module": "",
+            "tensor": "input[0]",
+            "absmax": float(2**s),
+            "dtype": "int64",
+        }
+        for s in range(4)
+    ]
+    view = conftest.frame_view(
+        conftest.records_frame(ids), conftest.steps_frame([{"step": s} for s in range(4)])
+    )
+    assert data_growth_words(Facts(view), 3) is None
 
 
 def test_a_jump_on_growing_inputs_is_not_divergence_but_names_the_inputs() -> None:
