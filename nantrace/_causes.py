@@ -603,9 +603,12 @@ def loss(run: Facts, ev: Overflow) -> Diagnosis:
     skips = skips_text(run)
     if skips:
         first, last = run.scale_range(run.step_ids)
+        symptom = last < first and all(
+            not math.isfinite(run.loss.get(st, math.nan)) for st in run.skipped_steps()
+        )
         evidence.append(
             skips + " — a symptom: the scale falls because the loss itself is non-finite, not the gradients"
-            if last < first
+            if symptom
             else skips
         )
     advice: list[str] = []
@@ -621,7 +624,7 @@ def loss(run: Facts, ev: Overflow) -> Diagnosis:
             )
         )
     elif ev.tensor.startswith("loss"):
-        advice += loss_advice(outs, loss_dtype)
+        advice += loss_advice(outs, loss_dtype, ev.kind)
     if not ev.tensor.startswith("loss"):
         advice.append(_loss_gradient_advice(run, ev, lv))
     summary = (

@@ -768,7 +768,7 @@ _LOSS_REMEDY = {
 }
 
 
-def loss_advice(outs: pd.DataFrame, loss_dtype: str) -> list[str]:
+def loss_advice(outs: pd.DataFrame, loss_dtype: str, kind: str = "inf") -> list[str]:
     """Advice for a non-finite loss from finite model outputs, from :func:`loss_bounds` in the outputs' own
     narrow dtype (float16, bfloat16) and in float32. ``loss_dtype``: the recorded loss tensor's dtype, or
     ``"not recorded"``. Returns sentences; when no bound holds, one pointing at the targets and the loss's own
@@ -798,6 +798,18 @@ def loss_advice(outs: pd.DataFrame, loss_dtype: str) -> list[str]:
         advice.append(f"If the loss {_LOSS_IF[op]}, even {wide} {flows}: {fact}; {_LOSS_REMEDY[op]}.")
     if "softmax" in {op for op, _ in only}:
         advice.append(f"For a classification loss, {_LOSS_REMEDY['softmax']}.")
+    if not advice and loss_dtype in ("float16", "bfloat16"):  # the loss's own ops ran in the narrow dtype
+        made = (
+            f"an op of the loss itself (a scale, a product, a sum with the targets) went beyond {loss_dtype}'s "
+            f"{num(dtype_max(loss_dtype))}"
+            if kind != "nan"
+            else f"an op of the loss itself made NaN in {loss_dtype} (inf − inf after an overflow, 0/0, a log or "
+            "sqrt of a negative)"
+        )
+        advice.append(
+            f"The loss is {loss_dtype} and non-finite from finite outputs: {made}. Compute it in float32 from the "
+            "outputs (`loss_fn(output.float(), target.float())`) and check the targets."
+        )
     if not advice:
         where = f"{narrow} or {wide}" if narrow else wide
         advice.append(

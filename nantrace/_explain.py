@@ -357,7 +357,7 @@ def _loss(ev: Event) -> str:
             )
     if not tensor.startswith("loss"):
         return f"{head} Check the targets and any log, division or empty reduction in the loss."
-    return f"{head} {loss_advice(outs, str(f['dtype']))[0]}"
+    return f"{head} {loss_advice(outs, str(f['dtype']), 'nan' if ev.raw_kind == 'nan' else 'inf')[0]}"
 
 
 def _backward_tail(ev: Event, scale: float, name: str) -> str:

@@ -123,3 +123,36 @@ def test_a_float32_log_of_zero_loss_is_not_told_to_compute_in_float32() -> None:
         "No square, sum of squares, exp or softmax of these outputs leaves float16 or float32's range: check the "
         "targets and any log or division in the loss (clamp its argument with an eps)."
     ]
+
+
+def test_a_float16_loss_whose_own_arithmetic_overflows_is_told_to_compute_in_float32() -> None:
+    """The outputs are small (no square or exp of them leaves float16), but the loss scales them by 30 before
+    squaring: the inf is the loss's own float16 arithmetic. Steps 0–1 were skipped for a scaled gradient while
+    the loss was finite, so the skips are not called a symptom of a non-finite loss."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 64), nn.LayerNorm(64), nn.Linear(64, 64))
+    x, y = torch.randn(64, 4), torch.zeros(64, 64, dtype=torch.float16)
+    sc = torch.amp.GradScaler("cpu")
+    opt = torch.optim.SGD(m.parameters(), lr=1e-6)
+    with nantrace.trace(m, scaler=sc, optimizer=opt) as tr:
+        for s in range(4):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ((m(x) * (1.0 if s < 2 else 30.0) - y) ** 2).sum()
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+            opt.zero_grad()
+    assert [bool(torch.isfinite(torch.tensor(v))) for v in tr.steps["loss"].tolist()] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    d = tr.diagnose()
+    assert d.cause == "loss"
+    assert d.advice[0] == (
+        "The loss is float16 and non-finite from finite outputs: an op of the loss itself (a scale, a product, a "
+        "sum with the targets) went beyond float16's 65504. Compute it in float32 from the outputs "
+        "(`loss_fn(output.float(), target.float())`) and check the targets."
+    )
+    assert not any("symptom" in e for e in d.evidence)
