@@ -134,6 +134,13 @@ class Rule:
 
 
 def _diverging(run: Facts, ev: Overflow) -> bool:
+    """The divergence rule, except for a forward value made at an op's singular point or by mask arithmetic
+    (a sqrt of a negative, a log of 0, x/0, a masked row): growth is not what made those, and the text of a
+    divergence would call them an overflow."""
+    if ev.phase == "forward":
+        oe = op_evidence(run.view, ev)
+        if oe is not None and oe.op_class in ("singular", "mask_arithmetic"):
+            return False
     return divergence(run, ev.step, ev.module if ev.phase == "forward" else None).found
 
 

@@ -1094,3 +1094,52 @@ def test_inputs_that_grow_every_step_are_named_in_a_forward_overflow() -> None:
         )
         assert (line in d.evidence) is seen
         assert d.advice[0].startswith("The model's inputs grow step after step") is seen
+
+
+class _ShiftedSqrt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = -100.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x - self.shift)
+
+
+class _SqrtNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.sq, self.b = nn.Linear(4, 8), _ShiftedSqrt(), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.sq(self.a(x)))
+
+
+@pytest.mark.parametrize("make", [nantrace.trace, nantrace.watch], ids=["trace", "watch"])
+def test_a_singular_point_during_fast_updates_is_invalid_op_not_divergence(make: Any) -> None:
+    """float32, SGD at an lr whose updates are far too fast, and at step 2 a sqrt of a negative: the value was
+    made at the op's singular point, not by growth, so the cause is invalid_op under trace and watch (the
+    divergence rule alone would fire on trace's history) and no text calls it an overflow."""
+    from nantrace._facts import Facts, divergence
+
+    torch.manual_seed(0)
+    m = _SqrtNet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with make(m, optimizer=opt) as tr:
+        for s in range(4):
+            m.sq.shift = 100.0 if s == 2 else -100.0
+            loss = ((m(x) - y) ** 2).mean()
+            loss.backward()
+            tr.step(loss=loss)
+            opt.step()
+            opt.zero_grad()
+    d = tr.diagnose()
+    assert d.overflow is not None and (d.overflow.step, d.overflow.module, d.overflow.kind) == (
+        2,
+        "sq",
+        "nan",
+    )
+    assert d.cause == "invalid_op" and d.op_class == "singular"
+    assert "overflowed" not in str(d)
+    if make is nantrace.trace:
+        assert divergence(Facts(tr._view()), 2, "sq").found
