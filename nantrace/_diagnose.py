@@ -64,7 +64,9 @@ the loop does not reset the gradients), it is ``loss_scale_collapse`` naming the
 least :data:`COLLAPSE_RUN` steps long (the scale fell 256x in a row), or the loss scale falls below 1, or at least
 half the steps from its start on are skipped and either :data:`COLLAPSE_RUN` of them are or the skips come back
 in at least :data:`COLLAPSE_RECURRING` separate runs while the scale fell at least 2**(COLLAPSE_RECURRING - 1)
-times (the scale keeps falling; a scaler that grows and backs off in turn does not). A run the trace ends in that
+times (the scale keeps falling; a scaler that grows and backs off in turn does not), except a run that opens
+the trace and ends with training resumed at a scale of at least 1, however long: the GradScaler walking down from
+an ``init_scale`` too high for the gradients (a benign backoff, told the scale it settled on). A run the trace ends in that
 starts at the first traced step (no step trained) while the loss itself is beyond the compute dtype's largest
 value counts as a collapse. For a collapse, or a run the trace ends in: mostly-NaN events are
 ``invalid_op`` (NaN does not go away with a lower scale); a collapse is ``divergence`` when the divergence rule

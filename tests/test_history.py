@@ -955,3 +955,30 @@ def test_a_divergence_while_the_inputs_grow_names_the_inputs_first() -> None:
     )
     assert d.advice[0].startswith("The model's inputs grow step after step (×8 over steps 0–3)")
     assert d.advice[1].startswith("Lower the (peak) learning rate")
+
+
+def _opening_skips_view(n_skipped: int, n_trained: int, end_scale: float) -> RunView:
+    """The trace opens with ``n_skipped`` skipped steps (the scale halving from 2**60 down to ``end_scale``), then
+    ``n_trained`` steps train at ``end_scale``; each skipped step's loss gradient overflowed."""
+    total = n_skipped + n_trained
+    rows: list[dict[str, object]] = [
+        {"step": s, "phase": "loss", "module": "", "tensor": "grad_output[0]", "n_posinf": 1}
+        for s in range(n_skipped)
+    ]
+    scales = [max(end_scale, 2.0**60 / 2**s) for s in range(total)]
+    steps = [{"step": s, "loss": 1.0, "skipped": s < n_skipped, "scale": scales[s]} for s in range(total)]
+    return conftest.frame_view(conftest.records_frame(rows), conftest.steps_frame(steps))
+
+
+def test_a_long_opening_backoff_that_ends_in_training_is_benign_and_told_its_init_scale() -> None:
+    """45 skipped steps from an init_scale of 2**60 down to 32768, then 25 steps that train: the GradScaler
+    calibrating, not a collapse; the advice is the scale it settled on. The same 45 skips with no step trained
+    after them, or ending below a scale of 1, stay a collapse."""
+    d = diagnose(_opening_skips_view(45, 25, 32768.0))
+    assert d.cause == "scaler_backoff"
+    assert (
+        d.summary == "Benign loss-scale backoff: the GradScaler skipped 45 step(s), then training proceeded."
+    )
+    assert "`torch.amp.GradScaler(init_scale=32768)`" in d.advice[1]
+    assert diagnose(_opening_skips_view(45, 0, 32768.0)).cause == "loss_scale_collapse"
+    assert diagnose(_opening_skips_view(70, 5, 0.5)).cause == "loss_scale_collapse"
