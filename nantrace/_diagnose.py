@@ -115,7 +115,7 @@ from dataclasses import dataclass, replace
 
 from . import _causes as c
 from . import _scale_causes as sc
-from ._diagnosis import QUIET_DIVERGENCE_GROWTH, QUIET_DIVERGENCE_LOSS_GROWTH, Diagnosis
+from ._diagnosis import COLLAPSE_RUN, QUIET_DIVERGENCE_GROWTH, QUIET_DIVERGENCE_LOSS_GROWTH, Diagnosis
 from ._evidence import headline, op_evidence
 from ._explain import first_overflow, overflows
 from ._facts import DivergenceFacts, Facts, divergence, fast_updates, overflow_from_row
@@ -190,6 +190,8 @@ def _judge_skip_run(run: Facts, skip_run: list[int], in_run: list[Overflow]) -> 
     if in_run and run.stale_steps(skip_run):
         return sc.stale(run, in_run, skip_run)  # the loop keeps an old inf in .grad: never a backoff
     collapse = run.is_collapse(skip_run)
+    if collapse and _a_later_run_collapses(run, skip_run):
+        return None  # short itself, a collapse only by what follows: the later run is the one to describe
     resumed = run.resumed_after(skip_run[-1])
     if not (collapse or not resumed) or not in_run:
         return None
@@ -203,6 +205,17 @@ def _judge_skip_run(run: Facts, skip_run: list[int], in_run: list[Overflow]) -> 
     if div.found:
         return c.divergence_diagnosis(run, _led_to(dependent, div), div)
     return sc.collapse(run, in_run[-1], skip_run)
+
+
+def _a_later_run_collapses(run: Facts, skip_run: list[int]) -> bool:
+    """``skip_run`` is shorter than :data:`COLLAPSE_RUN` with every scale at least 1, and a later run of skips
+    is at least :data:`COLLAPSE_RUN` long."""
+    scales = [run.scale.get(s, math.nan) for s in skip_run] + [
+        run.next_scale.get(s, math.nan) for s in skip_run
+    ]
+    if len(skip_run) >= COLLAPSE_RUN or any(v < 1 for v in scales if not math.isnan(v)):
+        return False
+    return any(len(run.skip_run(s)) >= COLLAPSE_RUN for s in run.skipped_steps() if s > skip_run[-1])
 
 
 def _led_to(events: list[Overflow], div: DivergenceFacts) -> Overflow:

@@ -982,3 +982,24 @@ def test_a_long_opening_backoff_that_ends_in_training_is_benign_and_told_its_ini
     assert "`torch.amp.GradScaler(init_scale=32768)`" in d.advice[1]
     assert diagnose(_opening_skips_view(45, 0, 32768.0)).cause == "loss_scale_collapse"
     assert diagnose(_opening_skips_view(70, 5, 0.5)).cause == "loss_scale_collapse"
+
+
+def test_a_collapse_is_described_by_its_own_run_not_by_an_earlier_short_backoff() -> None:
+    """Step 0 trains, step 1 is one skipped step (`b` overflowed at 65536), step 2 trains, then steps 3–12 are all
+    skipped with `clip`'s backward overflowing: the collapse is steps 3–12 and names `clip`, not the one-step
+    backoff of step 1 (which counts as a collapse only by the skips that follow it)."""
+    rows: list[dict[str, object]] = [
+        {"step": 1, "phase": "backward", "module": "b", "tensor": "weight.grad", "n_posinf": 1}
+    ]
+    rows += [
+        {"step": s, "phase": "backward", "module": "clip", "tensor": "grad_input[0]", "n_posinf": 1}
+        for s in range(3, 13)
+    ]
+    scale = {0: 65536.0, 1: 65536.0, 2: 32768.0, **{s: 32768.0 / 2 ** (s - 3) for s in range(3, 13)}}
+    steps = [{"step": s, "loss": 1.0, "skipped": s not in (0, 2), "scale": scale[s]} for s in range(13)]
+    d = diagnose(conftest.frame_view(conftest.records_frame(rows), conftest.steps_frame(steps)))
+    assert d.cause == "loss_scale_collapse"
+    assert d.overflow is not None and (d.overflow.module, d.overflow.step) == ("clip", 12)
+    assert (
+        d.evidence[0] == "10 consecutive steps skipped by the GradScaler (steps 3–12); loss scale 32768 → 64"
+    )
