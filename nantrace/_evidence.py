@@ -520,6 +520,9 @@ def _singular(base: str, kind: str, ops: tuple[Operand, ...]) -> tuple[str, str]
                 f"its denominator {den.name} holds {'0' if den.is_scalar else f'{den.n_zero} zero(s)'}",
                 what,
             )
+    if base in ("mean", "nanmean", "var", "std", "var_mean", "std_mean") and kind == "nan" and tensors:
+        if tensors[0].numel == 0:
+            return f"its operand {tensors[0].name} holds no elements", "a mean over zero elements (0/0)"
     if base in ("rsqrt", "log", "log2", "log10") and tensors:
         x = tensors[0]
         if kind != "nan" and x.zeros:
@@ -933,6 +936,13 @@ def class_advice(ev: OpEvidence, module: str) -> list[str]:
             out.append(
                 f"In {name}: clamp the base away from 0 before a negative power (`x.clamp_min(eps) ** p`)."
             )
+        elif ev.what == "a mean over zero elements (0/0)":
+            out.append(
+                f"In {name}: `{ev.op}` reduced an empty selection; skip it when nothing is selected, or sum and "
+                "divide by the count clamped to 1 (`x.sum(0) / n.clamp_min(1)`)."
+            )
+            out.append("Not an overflow: a lower loss scale or a wider dtype does not remove it.")
+            return out
         else:
             op = f"`{ev.op}`" if ev.op else "the op"
             out.append(

@@ -67,8 +67,7 @@ def named_operands(args: Any, kwargs: Any, snapshots: list[torch.Tensor] | None)
     def add(name: str, v: Any) -> None:
         if isinstance(v, torch.Tensor):
             if (
-                v.is_floating_point()
-                and v.numel() > 0
+                v.is_floating_point()  # an empty tensor too: a mean over it is 0/0
                 and v.layout == torch.strided
                 and v.device.type != "meta"
             ):

@@ -406,3 +406,43 @@ def test_an_autocast_linear_is_described_in_the_dtype_it_computed_in() -> None:
         "inside its forward (float16), from finite inputs (input absmax 4800); float16 overflows above 65504"
         in text
     )
+
+
+class _MaskedMean(nn.Module):
+    """Per row, the mean of the selected entries; a row that selects nothing is a mean over zero elements."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return torch.stack([x[i][keep[i]].mean(0) for i in range(x.shape[0])])
+
+
+def test_a_mean_over_an_empty_selection_is_named_with_its_empty_operand_and_a_guard() -> None:
+    """Row 2 selects nothing: `mean` of a 0-element tensor is 0/0. The operand facts keep the empty tensor, the
+    op is a singular point named as a mean over zero elements, and the advice guards the reduction instead of
+    asking to keep an argument away from 0."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.pool = nn.Linear(3, 3), _MaskedMean()
+
+        def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+            return self.pool(self.lin(x), keep)
+
+    keep = torch.ones(3, 4, dtype=torch.bool)
+    keep[2] = False
+    model = Net()
+    with nantrace.trace(model) as tr:
+        model(torch.randn(3, 4, 3), keep)
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.module, ov.kind, ov.op_class) == ("pool", "nan", "singular")
+    text = str(ov)
+    assert text.splitlines()[0] == (
+        "step 0 forward: `pool` (`mean`) hit a singular point: a mean over zero elements (0/0) gave NaN (float32)"
+    )
+    assert "operand arg0 (float32, 0 values)" in text
+    d = tr.diagnose()
+    assert d.cause == "invalid_op"
+    assert d.advice[0] == (
+        "In `pool`: `mean` reduced an empty selection; skip it when nothing is selected, or sum and divide by the "
+        "count clamped to 1 (`x.sum(0) / n.clamp_min(1)`)."
+    )
