@@ -60,6 +60,8 @@ __all__ = [
     "leaf_key",
     "reaches_output",
     "replay_call",
+    "reset_call_site",
+    "set_call_site",
     "user_line",
     "zero_counts",
     "zero_fraction",
@@ -83,11 +85,31 @@ class Stop(Exception):
 Found = tuple[str, str, int, str | None]  # (op name, kind, position of the op in the call, source line)
 
 
+_CALL_SITE = threading.local()  # (frame, line) of a replay of a whole root call: see set_call_site
+
+
+def set_call_site(frame: Any, line: str | None) -> Any:
+    """While a replay of a root call runs from ``frame`` (nantrace's own), :func:`user_line` answers ``line``,
+    the user's line of the real call, when its walk reaches ``frame`` (the user's frames above it are the loop
+    that triggered the replay, not the call). Returns the token for :func:`reset_call_site`."""
+    token = getattr(_CALL_SITE, "v", None)
+    _CALL_SITE.v = (frame, line)
+    return token
+
+
+def reset_call_site(token: Any) -> None:
+    _CALL_SITE.v = token
+
+
 def user_line() -> str | None:
     """``path:line`` of the innermost frame outside torch and nantrace (nantrace's ``examples`` count as user
-    code): the line of the user's code that called the op; None when there is none."""
+    code): the line of the user's code that called the op; None when there is none. Inside a replay of a whole
+    root call (:func:`set_call_site`) the walk stops at the replay's frame with the real call's line."""
     frame = sys._getframe(1)
+    stop = getattr(_CALL_SITE, "v", None)
     while frame is not None:
+        if stop is not None and frame is stop[0]:
+            return stop[1]
         name = os.path.abspath(frame.f_code.co_filename)
         if name.startswith(_EXAMPLES_DIR) or not (name.startswith(_TORCH_DIR) or name.startswith(_OWN_DIR)):
             return f"{frame.f_code.co_filename}:{frame.f_lineno}"

@@ -520,9 +520,9 @@ def _singular(base: str, kind: str, ops: tuple[Operand, ...]) -> tuple[str, str]
                 f"its denominator {den.name} holds {'0' if den.is_scalar else f'{den.n_zero} zero(s)'}",
                 what,
             )
-    if base in ("mean", "nanmean", "var", "std", "var_mean", "std_mean") and kind == "nan" and tensors:
-        if tensors[0].numel == 0:
-            return f"its operand {tensors[0].name} holds no elements", "a mean over zero elements (0/0)"
+    empty = bool(tensors) and tensors[0].numel == 0
+    if base in ("mean", "nanmean", "var", "std", "var_mean", "std_mean") and kind == "nan" and empty:
+        return f"its operand {tensors[0].name} holds no elements", "a mean over zero elements (0/0)"
     if base in ("rsqrt", "log", "log2", "log10") and tensors:
         x = tensors[0]
         if kind != "nan" and x.zeros:

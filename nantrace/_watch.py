@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _store
-from ._drill import issues_collectives
+from ._drill import issues_collectives, reset_call_site, set_call_site, user_line
 from ._hooks import eager, in_backward
 from ._naming import is_sharded
 from ._scaler import current_lr, nested_step
@@ -67,6 +68,7 @@ class _Micro:
     accel_rng: list[torch.Tensor] | None
     autocast: list[tuple[str, bool, torch.dtype]]
     grad_enabled: bool
+    site: str | None = None  # the user's line that made the root call (a replay's ops are named at it)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     backward_after: int = -1  # number of root forwards done when its output gradients arrived
     # the losses seen, and whether its output gradients had arrived by then (a loss given to ``tr.step`` after
@@ -525,6 +527,7 @@ class Watch:
                 accel_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
                 autocast=_autocast_state(self.autocast_devices),
                 grad_enabled=torch.is_grad_enabled(),
+                site=user_line(),
             )
         )
         self._flag("data", items)
@@ -786,7 +789,11 @@ def _replay_micro_steps(r: Recording, micros: list[_Micro]) -> None:
             for device, enabled, dtype in m.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
             stack.enter_context(torch.set_grad_enabled(m.grad_enabled))
-            outputs[k] = r.root(*m.args, **m.kwargs)
+            token = set_call_site(sys._getframe(), m.site)
+            try:
+                outputs[k] = r.root(*m.args, **m.kwargs)
+            finally:
+                reset_call_site(token)
         for loss, late in m.losses:
             if not late:
                 r.record_loss(loss)

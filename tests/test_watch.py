@@ -1206,3 +1206,34 @@ def test_a_healthy_verdict_under_watch_says_underflow_and_slow_divergence_were_n
         "flushed to zero) could not be judged: no step was recorded in full"
     )
     assert d.evidence[-1].startswith("2 of 2 steps were only watched")
+
+
+def _linear_overflow_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)  # the user's line that calls the model: the op of a built-in layer is named at it
+
+
+def test_watch_names_the_op_at_the_line_that_called_the_model_as_trace_does() -> None:
+    """A Sequential of built-in layers overflows float16 in `linear`: no user code runs inside its forward, so
+    the op's source is the user's line that called the model. watch replays that call from its own frame after
+    the step; it names the same line as trace, not the loop line that triggered the replay."""
+    line = f"{__file__}:{inspect.getsourcelines(_linear_overflow_step)[1] + 1}"
+    sources = []
+    for make in (nantrace.trace, nantrace.watch):
+        m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).half()
+        with torch.no_grad():
+            m[0].weight.fill_(1.0)
+            m[1].weight.fill_(30000.0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
+        kwargs = (
+            {"every": None} if make is nantrace.watch else {}
+        )  # watch: step 0 replayed, not recorded in full
+        with make(m, optimizer=opt, **kwargs) as tr:
+            out = _linear_overflow_step(m, torch.ones(2, 4, dtype=torch.float16))
+            loss = out.float().sum()
+            loss.backward()
+            tr.step(loss=loss)
+            opt.step()
+        ov = tr.first_overflow()
+        assert ov is not None and (ov.module, ov.phase) == ("1", "forward")
+        sources.append(tr.ops["source"].tolist()[:1])
+    assert sources == [[line], [line]]
