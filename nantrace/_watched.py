@@ -122,7 +122,12 @@ def _replayed(view: RunView, ov: Overflow) -> Overflow:
         note = f" (nantrace.watch recorded step {ov.step} in full by replaying it after its sentinel saw a non-finite value.)"
         return dataclasses.replace(ov, message=ov.message + note)
     if len(row) and row["recorded"].iloc[0] == "post_step":
-        note = f" (nantrace.watch recorded the parameters after optimizer.step() of step {ov.step}; the gradients it checked before the step were finite.)"
+        note = (
+            f" (nantrace.watch recorded the parameters after optimizer.step() of step {ov.step}; the gradients it "
+            "checked before the step were finite. It checks parameters only after optimizer.step(), so a write to "
+            "them since the previous check (a manual edit, a state-dict load) reads the same as the step making "
+            "them non-finite; nantrace.trace() records the forward that would tell them apart.)"
+        )
         return dataclasses.replace(ov, message=ov.message + note)
     return ov
 

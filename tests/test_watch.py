@@ -1237,3 +1237,36 @@ def test_watch_names_the_op_at_the_line_that_called_the_model_as_trace_does() ->
         assert ov is not None and (ov.module, ov.phase) == ("1", "forward")
         sources.append(tr.ops["source"].tolist()[:1])
     assert sources == [[line], [line]]
+
+
+def test_a_weight_written_between_steps_is_not_claimed_to_be_the_optimizers_doing_under_watch() -> None:
+    """A weight set to inf by hand before step 2's forward; tanh turns the inf into ±1, so the model's outputs,
+    the loss and the gradients stay finite. trace sees the Linear's inf output at step 2's forward; watch sees
+    it first in its post-step check and says that a write since the previous check reads the same as the
+    step."""
+    answers = []
+    for make in (nantrace.trace, nantrace.watch):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+        with make(m, optimizer=opt) as tr:
+            for s in range(3):
+                if s == 2:
+                    with torch.no_grad():
+                        m[0].weight[0, 0] = math.inf
+                loss = ((m(x) - y) ** 2).mean()
+                loss.backward()
+                tr.step(loss=loss)
+                opt.step()
+                opt.zero_grad()
+        ov = tr.first_overflow()
+        assert ov is not None
+        answers.append((ov.step, ov.phase, ov.module, ov.tensor))
+        if make is nantrace.watch:
+            assert ov.message.endswith(
+                "It checks parameters only after optimizer.step(), so a write to them since the previous check (a "
+                "manual edit, a state-dict load) reads the same as the step making them non-finite; "
+                "nantrace.trace() records the forward that would tell them apart.)"
+            )
+    assert answers == [(2, "forward", "0", "output"), (2, "optimizer", "0", "weight")]
