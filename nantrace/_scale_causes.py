@@ -20,7 +20,7 @@ from ._diagnosis import (
 from ._facts import Facts, data_growth_words, unchanged_weights_loss_words, update_ratios
 from ._fmt import module_label, num, steps_text
 from ._overflow import Overflow
-from ._ranges import finite_absmax, headroom_table
+from ._ranges import finite_absmax, headroom_table, own_parameters
 from ._schema import FP16_MAX, FP16_SMALLEST_NORMAL, dtype_max
 
 __all__ = [
@@ -53,6 +53,39 @@ def loss_beyond_dtype(run: Facts, skip_run: list[int], ev: Overflow) -> tuple[fl
     return max(finite), dtype
 
 
+def _lowest_scale_advice(run: Facts, ev: Overflow, gout: pd.DataFrame, at: float) -> tuple[str, bool]:
+    """The advice for the event that still overflowed at the lowest scale tried, and whether it is a range
+    problem (a value too large, which bfloat16's range helps) rather than an inf factor."""
+    dtype = compute_dtype(run, ev)
+    limit = num(dtype_max(dtype))
+    if ev.phase == "loss":
+        return (
+            f"The gradient of the loss w.r.t. the outputs exceeds {limit} even at a small scale: the loss is "
+            "too large (e.g. a sum over many elements); use a mean, divide it, or compute it in float32.",
+            True,
+        )
+    g = finite_absmax(gout)
+    clean = len(gout) and int(gout[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum()) == 0
+    if ev.phase == "backward" and clean and g <= 1.0 and not own_parameters(run.records, ev.module):
+        # nothing of its own to multiply by, and what came in is at most 1
+        return (
+            f"{module_label(ev.module)} has no parameters of its own and its incoming gradient's absmax was "
+            f"{num(g)} (step {ev.step}, at most 1), so no product of it with a finite {dtype} value reaches "
+            f"{limit}: an op of its backward multiplies by inf or divides by 0 (a custom `autograd.Function`, a "
+            "derivative at a singular point). A wider dtype does not remove it; find the op with "
+            "nantrace.hunt(step_fn).",
+            False,
+        )
+    w = run.rows_of(ev.step - 1, "optimizer", module=ev.module) if ev.step > 0 else run.records.iloc[0:0]
+    wtext = f" (absmax {num(finite_absmax(w))})" if len(w) else ""
+    return (
+        f"The gradient of {module_label(ev.module)} exceeds {limit} even at loss scale {num(at)}: keep "
+        f"{module_label(ev.module)} in float32 (autocast disabled around it), and check its weights{wtext} and "
+        "the loss magnitude.",
+        True,
+    )
+
+
 def collapse(run: Facts, ev: Overflow | None, skip_run: list[int]) -> Diagnosis:
     """``ev``: the run's last scale-dependent event, the one that still overflowed at the lowest scale."""
     first, last = run.scale_range(skip_run)
@@ -64,6 +97,7 @@ def collapse(run: Facts, ev: Overflow | None, skip_run: list[int]) -> Diagnosis:
     if len(run.skipped_steps()) != len(skip_run):
         evidence.append(str(skips_text(run)))
     advice: list[str] = []
+    range_fault = True
     if ev is not None:
         in_run = [e for e in run.events if skip_run[0] <= e.step <= skip_run[-1] and run.scale_dependent(e)]
         groups: dict[str, list[int]] = {}
@@ -86,24 +120,8 @@ def collapse(run: Facts, ev: Overflow | None, skip_run: list[int]) -> Diagnosis:
                 else ""
             )
         )
-        limit = num(dtype_max(compute_dtype(run, ev)))
-        if ev.phase == "loss":
-            advice.append(
-                f"The gradient of the loss w.r.t. the outputs exceeds {limit} even at a small scale: the loss is "
-                "too large (e.g. a sum over many elements); use a mean, divide it, or compute it in float32."
-            )
-        else:
-            w = (
-                run.rows_of(ev.step - 1, "optimizer", module=ev.module)
-                if ev.step > 0
-                else run.records.iloc[0:0]
-            )
-            wtext = f" (absmax {num(finite_absmax(w))})" if len(w) else ""
-            advice.append(
-                f"The gradient of {module_label(ev.module)} exceeds {limit} even at loss scale {num(at)}: keep "
-                f"{module_label(ev.module)} in float32 (autocast disabled around it), and check its weights{wtext} and "
-                "the loss magnitude."
-            )
+        text, range_fault = _lowest_scale_advice(run, ev, gout, at)
+        advice.append(text)
     big = loss_beyond_dtype(run, skip_run, ev) if ev is not None else None
     if big is not None:
         lv, dtype = big
@@ -124,7 +142,8 @@ def collapse(run: Facts, ev: Overflow | None, skip_run: list[int]) -> Diagnosis:
     if drift is not None:
         evidence.append(drift[0])
         advice.insert(0, drift[1])
-    advice.append(bf16_advice())
+    if range_fault:  # bfloat16's range helps only a value that is too large, not an inf factor
+        advice.append(bf16_advice())
     clip = run.clipping()
     if clip is not None:
         evidence.append(clipping_text(clip))

@@ -1003,3 +1003,27 @@ def test_a_collapse_is_described_by_its_own_run_not_by_an_earlier_short_backoff(
     assert (
         d.evidence[0] == "10 consecutive steps skipped by the GradScaler (steps 3–12); loss scale 32768 → 64"
     )
+
+
+def test_a_collapse_in_a_parameterless_backward_fed_small_gradients_is_an_inf_factor_not_a_range() -> None:
+    """`clip` owns no parameters and its incoming gradient is at most 0.5 on every skipped step, yet its
+    grad_input is inf down to a loss scale below 1: no product with a finite float16 value gets there, so the
+    advice names an inf factor and hunt, and neither float32 nor bfloat16."""
+    rows: list[dict[str, object]] = []
+    for s in range(10):
+        rows.append(
+            {"step": s, "phase": "backward", "module": "clip", "tensor": "grad_input[0]", "n_posinf": 1}
+        )
+        rows.append(
+            {"step": s, "phase": "backward", "module": "clip", "tensor": "grad_output[0]", "absmax": 0.5}
+        )
+    steps = [{"step": s, "loss": 1.0, "skipped": True, "scale": 4.0 / 2**s} for s in range(10)]
+    d = diagnose(conftest.frame_view(conftest.records_frame(rows), conftest.steps_frame(steps)))
+    assert d.cause == "loss_scale_collapse"
+    assert d.advice[0] == (
+        "`clip` has no parameters of its own and its incoming gradient's absmax was 0.5 (step 9, at most 1), so no "
+        "product of it with a finite float16 value reaches 65504: an op of its backward multiplies by inf or "
+        "divides by 0 (a custom `autograd.Function`, a derivative at a singular point). A wider dtype does not "
+        "remove it; find the op with nantrace.hunt(step_fn)."
+    )
+    assert not any("bfloat16" in a or "float32 (autocast disabled" in a for a in d.advice)
