@@ -70,7 +70,7 @@ def _lowest_scale_advice(run: Facts, ev: Overflow, gout: pd.DataFrame, at: float
         # nothing of its own to multiply by, and what came in is at most 1
         return (
             f"{module_label(ev.module)} has no parameters of its own and its incoming gradient's absmax was "
-            f"{num(g)} (step {ev.step}, at most 1), so no product of it with a finite {dtype} value reaches "
+            f"{num(g)} (step {ev.step}, at most 1), so no product of it with a finite {dtype} value exceeds "
             f"{limit}: an op of its backward multiplies by inf or divides by 0 (a custom `autograd.Function`, a "
             "derivative at a singular point). A wider dtype does not remove it; find the op with "
             "nantrace.hunt(step_fn).",

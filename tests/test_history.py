@@ -1022,7 +1022,7 @@ def test_a_collapse_in_a_parameterless_backward_fed_small_gradients_is_an_inf_fa
     assert d.cause == "loss_scale_collapse"
     assert d.advice[0] == (
         "`clip` has no parameters of its own and its incoming gradient's absmax was 0.5 (step 9, at most 1), so no "
-        "product of it with a finite float16 value reaches 65504: an op of its backward multiplies by inf or "
+        "product of it with a finite float16 value exceeds 65504: an op of its backward multiplies by inf or "
         "divides by 0 (a custom `autograd.Function`, a derivative at a singular point). A wider dtype does not "
         "remove it; find the op with nantrace.hunt(step_fn)."
     )
