@@ -327,26 +327,20 @@ def _forward_summary(
     """The summary of a forward overflow: activations beyond the dtype, a transient op's inf inside the call, a
     reduction's or cast's reason, or weights beyond the dtype."""
     limit = dtype_max(dtype)
-    summary = (
-        f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: "
-        f"activations exceeded {num(limit)} from finite inputs."
-    )
-    if transient_op:
-        summary = (
-            f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} inside its forward at step {ev.step}: "
-            f"`{transient_op}` exceeded {num(limit)} from finite inputs; the call's output stayed finite."
+    who = f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype}"
+    if beyond:
+        return (
+            f"{who} in its forward at step {ev.step}: its {beyond[0][1]} weights exceed {num(limit)}, so "
+            f"autocast's cast to {dtype} made them inf."
         )
     if oe is not None and oe.op_class in ("reduction", "cast"):
-        summary = (
-            f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: "
-            f"{oe.because}."
+        return f"{who} in its forward at step {ev.step}: {oe.because}."
+    if transient_op:
+        return (
+            f"{who} inside its forward at step {ev.step}: `{transient_op}` exceeded {num(limit)} from finite "
+            "inputs; the call's output stayed finite."
         )
-    if beyond:
-        summary = (
-            f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype} in its forward at step {ev.step}: its "
-            f"{beyond[0][1]} weights exceed {num(limit)}, so autocast's cast to {dtype} made them inf."
-        )
-    return summary
+    return f"{who} in its forward at step {ev.step}: activations exceeded {num(limit)} from finite inputs."
 
 
 def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:

@@ -210,10 +210,7 @@ def _judge_skip_run(run: Facts, skip_run: list[int], in_run: list[Overflow]) -> 
 def _a_later_run_collapses(run: Facts, skip_run: list[int]) -> bool:
     """``skip_run`` is shorter than :data:`COLLAPSE_RUN` with every scale at least 1, and a later run of skips
     is at least :data:`COLLAPSE_RUN` long."""
-    scales = [run.scale.get(s, math.nan) for s in skip_run] + [
-        run.next_scale.get(s, math.nan) for s in skip_run
-    ]
-    if len(skip_run) >= COLLAPSE_RUN or any(v < 1 for v in scales if not math.isnan(v)):
+    if len(skip_run) >= COLLAPSE_RUN or run.scale_below_one(skip_run):
         return False
     return any(len(run.skip_run(s)) >= COLLAPSE_RUN for s in run.skipped_steps() if s > skip_run[-1])
 

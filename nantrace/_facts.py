@@ -169,17 +169,20 @@ class Facts:
     def resumed_after(self, step: int) -> bool:
         return any(self.skipped.get(s) is False for s in self.step_ids if s > step)
 
+    def scale_below_one(self, run: list[int]) -> bool:
+        """A loss scale (before or after ``update()``) of a step of ``run`` fell below 1."""
+        scales = [self.scale.get(s, math.nan) for s in run] + [self.next_scale.get(s, math.nan) for s in run]
+        return any(v < 1 for v in scales if not math.isnan(v))
+
     def calibrating(self, run: list[int]) -> bool:
         """The run of skips opens the trace and ends with training resumed at a scale of at least 1: the
         GradScaler walking down from an ``init_scale`` too high for these gradients, however long it took."""
         if not run or not self.step_ids or run[0] != self.step_ids[0] or not self.resumed_after(run[-1]):
             return False
-        scales = [self.scale.get(s, math.nan) for s in run] + [self.next_scale.get(s, math.nan) for s in run]
-        return all(v >= 1 for v in scales if not math.isnan(v))
+        return not self.scale_below_one(run)
 
     def is_collapse(self, run: list[int]) -> bool:
-        scales = [self.scale.get(s, math.nan) for s in run] + [self.next_scale.get(s, math.nan) for s in run]
-        if any(v < 1 for v in scales if not math.isnan(v)):
+        if self.scale_below_one(run):
             return True
         if self.calibrating(run):
             return False

@@ -251,9 +251,10 @@ def backoff(run: Facts, benign: list[Overflow]) -> Diagnosis:
             f"To avoid the skipped steps, start at the scale it settled on: "
             f"`torch.amp.GradScaler(init_scale={settled[0]:g})`."
         )
-    summary = f"Benign loss-scale backoff: the GradScaler skipped {len(sk)} step(s)" + (
+    tail = f"the GradScaler skipped {len(sk)} step(s)" + (
         ", then training proceeded." if n_after else "; the trace ends there."
     )
+    summary = f"Benign loss-scale backoff: {tail}"
     moved = unchanged_weights_loss_words(run, run.skip_run(sk[-1])[0]) if sk else None
     if moved is not None:
         evidence.append(moved)
@@ -264,10 +265,7 @@ def backoff(run: Facts, benign: list[Overflow]) -> Diagnosis:
             drift[1],
             "The skipped steps are the GradScaler reacting to it; a lower scale does not stop it.",
         ]
-        summary = (
-            f"Loss-scale backoff while the model's inputs grow: the GradScaler skipped {len(sk)} step(s)"
-            + (", then training proceeded." if n_after else "; the trace ends there.")
-        )
+        summary = f"Loss-scale backoff while the model's inputs grow: {tail}"
     return Diagnosis("scaler_backoff", ev, evidence, advice, summary)
 
 
