@@ -324,10 +324,15 @@ def _forward_summary(
     transient_op: str | None,
     beyond: list[tuple[str, str, float, int]],
 ) -> str:
-    """The summary of a forward overflow: activations beyond the dtype, a transient op's inf inside the call, a
-    reduction's or cast's reason, or weights beyond the dtype."""
+    """The summary of a forward overflow: an op of a forward hook on the module, activations beyond the dtype, a
+    transient op's inf inside the call, a reduction's or cast's reason, or weights beyond the dtype."""
     limit = dtype_max(dtype)
     who = f"{module_label(ev.module)} ({ev.module_type}) overflowed {dtype}"
+    if oe is not None and oe.hook is not None:
+        return (
+            f"{who} at step {ev.step} in your {oe.hook}: its `{oe.op}` exceeded {num(limit)} from finite "
+            "inputs (not a module's forward)."
+        )
     if beyond:
         return (
             f"{who} in its forward at step {ev.step}: its {beyond[0][1]} weights exceed {num(limit)}, so "
@@ -362,15 +367,21 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
             f"its inputs (absmax {num(in_absmax)}) are already beyond {dtype}'s range: casting them to {dtype} "
             "(autocast) gives inf, and inf − inf or 0·inf then gives NaN"
         )
+    hook = oe.hook if oe is not None else None
     if own_code:
         where = (
             f"first seen at `{ev.tensor}` of a submodule"
             if ev.tensor.startswith("input")
             else f"first seen at `{ev.tensor}` of {module_label(ev.module)} itself, not of a submodule"
         )
+        code = (
+            f"the {hook}, which ran inside {module_label(ev.module)}'s call"
+            if hook is not None
+            else f"{module_label(ev.module)}'s own forward code"
+        )
         evidence.append(
-            f"{where}: the overflow is in {module_label(ev.module)}'s own forward code between its submodules (every "
-            "submodule output before it was finite)"
+            f"{where}: the overflow is in {code} between its submodules (every submodule output before it was "
+            "finite)"
         )
     oe = op_evidence(run.view, ev)
     if op:
@@ -399,7 +410,7 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     drift = data_growth_words(run, ev.step)
     if drift is not None:
         evidence.append(drift[0])
-    if own_code:
+    if own_code and hook is None:
         advice.insert(
             0,
             f"The op that overflows is in {module_label(ev.module)}'s own forward (e.g. a residual add `x + f(x)` of "
@@ -468,6 +479,8 @@ def _invalid_forward(run: Facts, ev: Overflow) -> Diagnosis:
     if oe.op is not None:
         evidence.append(f"the forward replay names the op: `{oe.op}`")
     evidence += oe.fact_lines()[1:] if oe.op is not None else [f"{oe.op_class}: {oe.because}"]
+    if oe.op is not None and oe.what == WEIGHTS_HELD:
+        evidence.append(oe.because.replace("its own parameter", f"{module_label(ev.module)}'s parameter", 1))
     advice: list[str] = []
     if in_neginf and oe.raw_kind == "nan":
         evidence.append("its inputs held -inf (an attention mask): a row with every key masked")
@@ -483,7 +496,8 @@ def _invalid_forward(run: Facts, ev: Overflow) -> Diagnosis:
             f"Find the invalid op in {module_label(ev.module)}'s forward (0/0, 0·inf, inf−inf, sqrt/log of a "
             "negative): add eps to denominators and clamp arguments of sqrt/log."
         )
-    op = f" (`{oe.op}`: {oe.what})" if oe.op is not None else f" ({oe.what})"
+    in_hook = f" in your {oe.hook}" if oe.hook is not None else ""
+    op = f" (`{oe.op}`{in_hook}: {oe.what})" if oe.op is not None else f" ({oe.what})"
     summary = (
         f"{module_label(ev.module)} {_CLASS_SUMMARY.get(oe.op_class, 'made a non-finite value')} at step "
         f"{ev.step}{op}: not an overflow."

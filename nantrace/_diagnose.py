@@ -116,7 +116,7 @@ from dataclasses import dataclass, replace
 from . import _causes as c
 from . import _scale_causes as sc
 from ._diagnosis import COLLAPSE_RUN, QUIET_DIVERGENCE_GROWTH, QUIET_DIVERGENCE_LOSS_GROWTH, Diagnosis
-from ._evidence import headline, op_evidence
+from ._evidence import WEIGHTS_HELD, headline, op_evidence
 from ._explain import first_overflow, overflows
 from ._facts import DivergenceFacts, Facts, divergence, fast_updates, overflow_from_row
 from ._overflow import Overflow
@@ -137,11 +137,12 @@ class Rule:
 
 def _diverging(run: Facts, ev: Overflow) -> bool:
     """The divergence rule, except for a forward value made at an op's singular point or by mask arithmetic
-    (a sqrt of a negative, a log of 0, x/0, a masked row): growth is not what made those, and the text of a
-    divergence would call them an overflow."""
+    (a sqrt of a negative, a log of 0, x/0, a masked row), or computed from the module's own weights that
+    already held it (written before the forward): growth is not what made those, and the text of a divergence
+    would call them an overflow."""
     if ev.phase == "forward":
         oe = op_evidence(run.view, ev)
-        if oe is not None and oe.op_class in ("singular", "mask_arithmetic"):
+        if oe is not None and (oe.op_class in ("singular", "mask_arithmetic") or oe.what == WEIGHTS_HELD):
             return False
     return divergence(run, ev.step, ev.module if ev.phase == "forward" else None).found
 

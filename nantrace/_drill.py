@@ -26,6 +26,7 @@ transient inf can exist.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import sys
@@ -83,6 +84,7 @@ class Stop(Exception):
 
 
 Found = tuple[str, str, int, str | None]  # (op name, kind, position of the op in the call, source line)
+Hook = tuple[str, str, str | None]  # (name, kind, owning module relative to the replayed one): hook_codes()
 
 
 _CALL_SITE = threading.local()  # (frame, line) of a replay of a whole root call: see set_call_site
@@ -117,17 +119,69 @@ def user_line() -> str | None:
     return None
 
 
+def hook_codes(module: torch.nn.Module) -> dict[Any, Hook]:
+    """``code object -> (hook name, kind, module)`` of the forward and forward-pre hooks that can run in a call
+    of ``module`` and are not nantrace's or torch's: those of ``module`` and its submodules (``module`` is the
+    submodule's name relative to ``module``, ``""`` for itself) and the global ones (``module`` None). ``kind``
+    is ``"forward hook"``, ``"forward-pre hook"``, or those with ``"global "`` before. Plain functions and bound
+    methods are named (``scale``, ``Steer.apply``), unwrapped (``functools.wraps``); a hook of another kind (a
+    ``functools.partial``, a callable object) is left out."""
+    out: dict[Any, Hook] = {}
+    tables: list[tuple[Any, str, str | None]] = [
+        (_module_hooks._global_forward_pre_hooks, "global forward-pre hook", None),
+        (_module_hooks._global_forward_hooks, "global forward hook", None),
+    ]
+    for name, m in module.named_modules():
+        tables += [(m._forward_pre_hooks, "forward-pre hook", name), (m._forward_hooks, "forward hook", name)]
+    for table, kind, owner in tables:
+        for hook in list(table.values()):
+            fn = inspect.unwrap(getattr(hook, "__func__", hook))
+            code = getattr(fn, "__code__", None)
+            if code is None:
+                continue
+            path = os.path.abspath(code.co_filename)
+            if path.startswith(_OWN_DIR) or path.startswith(_TORCH_DIR):
+                continue
+            out[code] = (
+                str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "hook")),
+                kind,
+                owner,
+            )
+    return out
+
+
+def _running_hook(hooks: dict[Any, Hook]) -> Hook | None:
+    """The innermost of ``hooks`` on the current stack (the op was called from inside it), or None."""
+    if not hooks:
+        return None
+    frame = sys._getframe(2)
+    while frame is not None:
+        found = hooks.get(frame.f_code)
+        if found is not None:
+            return found
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
 class FirstNonfinite(TorchFunctionMode):
     """Replays a forward and stops at the first torch op that *produced* a kind not in ``known`` (the module
     call's input kinds): one of its outputs holds it and none of its inputs did, a non-finite scalar argument
-    counting as an input (:func:`nantrace._stats.op_input_kinds`, the rule of :func:`nantrace.hunt`).
+    counting as an input (:func:`nantrace._stats.op_input_kinds`, the rule of :func:`nantrace.hunt`), or one of
+    its operands is a trainable parameter of the module (``owned``: not a frozen one, which may be a mask) that
+    already held it (a weight made non-finite before the forward: the
+    call made the kind from finite inputs, and this op is the first to pass it on).
     ``found`` is ``(op name, kind, position, source line)``; of several new kinds, inf is named before NaN.
     ``made``: notes every floating value an op returned (:class:`Made`)."""
 
-    def __init__(self, known: frozenset[str], made: Made | None = None) -> None:
+    def __init__(
+        self, known: frozenset[str], made: Made | None = None, owned: dict[int, tuple[str, str]] | None = None
+    ) -> None:
         super().__init__()
         self.known = known
         self.made = made
+        self.owned = owned if owned is not None else {}  # the replay's parameters (:func:`replay_call`)
+        self.hooks: dict[Any, Hook] = {}  # the call's forward hooks (:func:`hook_codes`)
+        self.hook: Hook | None = None  # the one the producing op ran inside
         self.found: Found | None = None
         self.index = 0
         # the producing op's operands (copies of in-place ones, taken before the op) and result, kept only until
@@ -152,14 +206,23 @@ class FirstNonfinite(TorchFunctionMode):
         self.index += 1
         if self.made is not None:
             self.made.op(out)
+        # a parameter that already holds a kind the call's inputs did not: the op passes on what was written
+        # into the weight before this forward (NaN from a NaN weight is no new kind of the op, yet the call made it)
+        held: frozenset[str] = frozenset()
+        for t in tensors:
+            if self.owned.get(id(t), ("",))[0] == "param":
+                held |= tensor_kinds(t)
+        held = either_sign(held) - self.known if held else held
         for _, t in flatten(out, "out"):
             if not describable(t):
                 continue
-            new = tensor_kinds(t) - either_sign(before) - self.known
+            kinds = tensor_kinds(t)
+            new = (kinds - either_sign(before) - self.known) or (kinds & held)
             if new:
                 kind = next(k for k in _ORDER if k in new)
                 self.found = (name, kind, self.index - 1, user_line())
                 self.operands, self.result = named_operands(args, kwargs, snap), t
+                self.hook = _running_hook(self.hooks)
                 raise Stop
         return out
 
@@ -326,12 +389,21 @@ class NoCollectives(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def replay_call(module: torch.nn.Module, args: Any, kwargs: Any, *modes: Any) -> Any:
+def replay_call(
+    module: torch.nn.Module,
+    args: Any,
+    kwargs: Any,
+    *modes: Any,
+    owned: dict[int, tuple[str, str]] | None = None,
+) -> Any:
     """Run ``module`` on copies of ``args``/``kwargs`` and of its buffers (``torch.func.functional_call``) under
     ``modes``, with autograd off and the CPU RNG state forked; the call's output, or None when a mode stopped
     it or it raised (best effort: a replay never raises). In a process group of several ranks a call that may
     issue a collective is not replayed (:func:`issues_collectives`, :class:`NoCollectives`): the other ranks
-    would never join it."""
+    would never join it. ``owned``, when given, is filled before the modes run with ``id(tensor) -> (field,
+    name)`` for the tensors the replay's module reads as its parameters and buffers (their names in
+    ``named_parameters()``/``named_buffers()``): ``field`` is ``"param"`` for a parameter that requires grad,
+    ``"frozen"`` for one that does not (a frozen weight, or a mask kept as a parameter), ``"buffer"``."""
     if issues_collectives(module):
         return None
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -340,6 +412,11 @@ def replay_call(module: torch.nn.Module, args: Any, kwargs: Any, *modes: Any) ->
     # detached parameters: autocast caches its casts of leaf parameters that require grad, and a cached
     # cast is not run again, so the replay would not see autocast cast a weight beyond the dtype's max
     buffers.update((name, p.detach()) for name, p in module.named_parameters())
+    if owned is not None:
+        params = dict(module.named_parameters())
+        for n, t in buffers.items():
+            p = params.get(n)
+            owned[id(t)] = ("buffer" if p is None else "param" if p.requires_grad else "frozen", n)
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             args_c, kwargs_c = clone_tree(args, strict=True), clone_tree(kwargs, strict=True)
@@ -425,18 +502,24 @@ def drill_call(
     the call's output was finite, so ``reaches`` says whether the op's value changed it
     (:func:`reaches_output`); else it is True. ``made``: notes whether the replay made an intermediate value
     (:class:`Made`, read by :meth:`Suspects.learn`)."""
-    mode, cast = FirstNonfinite(known, made), CastWatch(known)
+    owned: dict[int, tuple[str, str]] = {}
+    mode, cast = FirstNonfinite(known, made, owned), CastWatch(known)
+    mode.hooks = hook_codes(module)
     # autocast's casts are the only ops CastWatch looks for, and the drill-down runs on CPU tensors only: without
     # CPU autocast the dispatch-level mode is left out (it costs Python on every aten op of the replay)
     modes = [mode, *([made] if made is not None else [])]
-    replay_call(module, args, kwargs, *modes, *([cast] if torch.is_autocast_enabled("cpu") else []))
+    replay_call(
+        module, args, kwargs, *modes, *([cast] if torch.is_autocast_enabled("cpu") else []), owned=owned
+    )
     found = cast.found or mode.found
     if found is None:
         return None
     op, kind, at, line = found
     watch = cast if cast.found else mode
     try:
-        facts = operand_facts(watch.operands, watch.result, mode.vanished)
+        facts = operand_facts(
+            watch.operands, watch.result, mode.vanished, owned, mode.hook if watch is mode else None
+        )
     except Exception:  # best effort, like the replay itself: the op is still named
         facts = ""
     # nothing of the replay is kept once its facts are numbers

@@ -40,7 +40,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ._fmt import module_label, num
+from ._fmt import module_label, num, steps_text
 from ._hooks import CAST_OP
 from ._masks import lowest_masks
 from ._overflow import Overflow
@@ -122,6 +122,13 @@ class Operand:
     n_at_max: int = 0
     value: float | None = None
     shape: tuple[int, ...] = ()
+    param: str | None = None  # the replayed module's parameter this operand is (``weight``, ``0.bias``)
+    frozen: str | None = None  # the replayed module's parameter that requires no grad
+    buffer: str | None = None  # the replayed module's buffer this operand is
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.posinf or self.neginf or (not self.is_scalar and self.n_nan > 0)
 
     @property
     def is_scalar(self) -> bool:
@@ -168,7 +175,10 @@ class Operand:
         ):
             if n:
                 parts.append(f"{n} {w}{'s' if n > 1 and w in ('zero', 'negative') else ''}")
-        return f"{self.name} ({self.dtype}, {self.numel} values): {', '.join(parts)}"
+        roles = ((self.param, "parameter"), (self.frozen, "frozen parameter"), (self.buffer, "buffer"))
+        own = next((f", {w} `{n}`" for n, w in roles if n), "")
+        values = f"{self.numel} value{'' if self.numel == 1 else 's'}"
+        return f"{self.name} ({self.dtype}, {values}{own}): {', '.join(parts)}"
 
 
 @dataclass(frozen=True)
@@ -185,6 +195,8 @@ class OpEvidence:
         vanished: ``(value, dtype)`` of Python constants that round to 0 in the dtype (eps=1e-12 in float16).
         because: the fact that decided the class, as a clause ("its operand arg0 holds 2 zeros").
         what: a short name of the arithmetic (``"rsqrt of 0"``, ``"0·inf"``, ``"inf − inf"``), or ``""``.
+        hook: the user's forward (pre-)hook the op ran inside, as words (``forward hook `scale` on `0```), or
+            None (it ran in a ``forward``).
     """
 
     op: str | None
@@ -196,6 +208,7 @@ class OpEvidence:
     vanished: tuple[tuple[float, str], ...] = ()
     because: str = ""
     what: str = ""
+    hook: str | None = None
 
     @property
     def cause(self) -> str:
@@ -209,6 +222,8 @@ class OpEvidence:
             lines.append("the producing op was not recorded (the forward replay runs on CPU tensors only)")
         else:
             lines.append(f"the producing op: `{self.op}` ({self.op_class}: {self.because})")
+            if self.hook is not None:
+                lines.append(f"`{self.op}` ran inside the {self.hook}, not in a module's forward")
             if self.recorded:
                 lines += [f"operand {o.words()}" for o in self.operands]
             else:
@@ -455,6 +470,62 @@ def nonfinite_words(view: RunView, ov: Overflow, bad: list[tuple[str, str, int]]
     return "; ".join(words)
 
 
+def _read_words(view: RunView, ov: Overflow, held: list[Operand]) -> str:
+    """ "`weight` (operand arg1) held +inf when the forward read it; its optimizer row of step 1 was finite: it
+    was written outside optimizer.step() (…)" for the producing op's parameter operands that
+    held inf/NaN (:class:`Operand` ``param``, relative to the event's module)."""
+    words = []
+    for o in held:
+        pname = str(o.param)
+        kinds = [w for n, w in ((o.n_posinf, "+inf"), (o.n_neginf, "-inf"), (o.n_nan, "NaN")) if n]
+        owner, _, local = pname.rpartition(".")
+        module = ".".join(p for p in (ov.module, owner) if p)
+        named = f" (operand {o.name})" if o.name != local else ""
+        text = f"`{pname}`{named} held {' and '.join(kinds)} when the forward read it"
+        last = last_optimizer_row(_rank_rows(view.records, ov, _many(view)), module, local, ov.step)
+        if last is not None:
+            k = int(last["step"])
+            if int(last["n_nan"] + last["n_posinf"] + last["n_neginf"]):
+                since = [st for p, _, st in weights_nonfinite(view, ov) if p == pname and st >= 0]
+                text += f", since optimizer.step() of step {since[0] if since else k}"
+            else:
+                text += f"; its optimizer row of step {k} was finite" + _finite_since(view, ov, k)
+        words.append(text)
+    return "; ".join(words)
+
+
+def _finite_since(view: RunView, ov: Overflow, k: int) -> str:
+    """The rest of "its optimizer row of step 1 was finite…": what the steps after ``k`` and before the event
+    tell of optimizer.step(). A skipped step ran none; a step ``nantrace.watch`` only watched checked every
+    parameter after it (its ``steps.recorded`` stays ``watch`` only when that check found all finite). When
+    each step between is one of those, no optimizer.step() made the value."""
+    steps = _rank_rows(view.steps, ov, _many(view))
+    between = (
+        steps[(steps["step"].to_numpy() > k) & (steps["step"].to_numpy() < ov.step)] if len(steps) else steps
+    )
+    skipped = [v is True for v in between["skipped"].tolist()] if len(between) else []
+    recorded = (
+        between["recorded"].astype(str).tolist() if "recorded" in between.columns else ["?"] * len(between)
+    )
+    watched = [
+        st
+        for st, sk, how in zip(between["step"].tolist(), skipped, recorded, strict=True)
+        if not sk and how == "watch"
+    ]
+    if any(not sk and how != "watch" for sk, how in zip(skipped, recorded, strict=True)):
+        return ""  # a step between whose optimizer.step() left no record of this parameter
+    check = (
+        f", and nantrace.watch's parameter check after optimizer.step() of step(s) {steps_text(watched)} found "
+        "every parameter finite"
+        if watched
+        else ""
+    )
+    return (
+        f"{check}: it was written outside optimizer.step() (after the update of step {max([k, *watched])}, "
+        "before this forward)"
+    )
+
+
 def _last_finite(view: RunView, ov: Overflow, pname: str) -> int | None:
     """The step of the parameter's last optimizer row before the event, when that row was finite."""
     last = last_optimizer_row(_rank_rows(view.records, ov, _many(view)), ov.module, pname, ov.step)
@@ -464,14 +535,17 @@ def _last_finite(view: RunView, ov: Overflow, pname: str) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------- classes
-def _operands(text: Any) -> tuple[tuple[Operand, ...], tuple[tuple[float, str], ...], bool, str | None]:
-    """``(operands, vanished constants, recorded, the result's dtype or None)`` of the ``operands`` JSON."""
+def _operands(
+    text: Any, module: str = ""
+) -> tuple[tuple[Operand, ...], tuple[tuple[float, str], ...], bool, str | None, str | None]:
+    """``(operands, vanished constants, recorded, the result's dtype or None, the hook in words or None)`` of
+    the ``operands`` JSON of a call of ``module``."""
     if not isinstance(text, str) or not text:
-        return (), (), False, None
+        return (), (), False, None, None
     try:
         doc = json.loads(text)
     except ValueError:
-        return (), (), False, None
+        return (), (), False, None, None
     ops = []
     for d in doc.get("operands", []):
         d = dict(d)
@@ -481,7 +555,13 @@ def _operands(text: Any) -> tuple[tuple[Operand, ...], tuple[tuple[float, str], 
     vanished = tuple((float(v), str(dt)) for v, dt in doc.get("vanished", []))
     result = doc.get("result")
     result_dtype = str(result["dtype"]) if isinstance(result, dict) and result.get("dtype") else None
-    return tuple(ops), vanished, True, result_dtype
+    hook = doc.get("hook")
+    named = None
+    if isinstance(hook, dict):
+        rel = hook.get("module")
+        on = "" if rel is None else f" on {module_label('.'.join(p for p in (module, str(rel)) if p))}"
+        named = f"{hook.get('kind')} `{hook.get('name')}`{on}"
+    return tuple(ops), vanished, True, result_dtype, named
 
 
 #: Reductions whose second positional argument is the dim (``x.sum(1)``, ``torch.cumsum(x, 0)``); for the
@@ -846,13 +926,16 @@ def op_evidence(view: RunView, ov: Overflow) -> OpEvidence | None:
     beyond = bool(weights_beyond_event(view, ov)[0]) if ov.phase == "forward" else False
     if row is not None:
         kind = str(row["kind"])
-        ops, vanished, recorded, result_dtype = _operands(row.get("operands"))
+        ops, vanished, recorded, result_dtype, hook = _operands(row.get("operands"), ov.module)
         dtype = _op_dtype(str(row["op"]), ops, dtype, result_dtype)
+        held = [o for o in ops if o.param and o.nonfinite]
         if beyond and str(row["op"]) != CAST_OP:
             cls, because, what = _classify_call(view, ov, kind, beyond)
+        elif held and ov.phase == "forward":  # it computed from its own weights: nothing in the call made it
+            cls, because, what = "invalid", f"its own parameter {_read_words(view, ov, held)}", WEIGHTS_HELD
         else:
             cls, because, what = _classify_op(str(row["op"]), kind, dtype, ops, recorded)
-        return OpEvidence(str(row["op"]), kind, cls, dtype, ops, recorded, vanished, because, what)
+        return OpEvidence(str(row["op"]), kind, cls, dtype, ops, recorded, vanished, because, what, hook)
     kind = _event_kind(view, ov)
     cls, because, what = _classify_call(view, ov, kind, beyond)
     return OpEvidence(None, kind, cls, dtype, (), False, (), because, what)
@@ -924,6 +1007,11 @@ def class_advice(ev: OpEvidence, module: str) -> list[str]:
     advice on dtypes and weights applies there)."""
     name, base = module_label(module), _base(ev.op) if ev.op else ""
     out: list[str] = []
+    if ev.hook is not None:
+        out.append(
+            f"`{ev.op}` ran in your {ev.hook}, not in a module's forward: fix the hook's arithmetic (what "
+            "it scales, adds or replaces), or remove the hook to confirm that the model alone stays finite."
+        )
     if ev.op_class == "singular":
         for v, d in ev.vanished:
             out.append(
@@ -953,8 +1041,7 @@ def class_advice(ev: OpEvidence, module: str) -> list[str]:
         )
     elif ev.op_class == "invalid" and ev.what == WEIGHTS_HELD:
         out.append(
-            f"The weights of {name} were already non-finite ({ev.because.removeprefix('its own parameter ')}): "
-            "the fault is what wrote them (an optimizer step whose own fault came first, a manual edit, a "
+            f"The weights of {name} were already non-finite when its forward read them: the fault is what wrote them (an optimizer step whose own fault came first, a manual edit, a "
             "state-dict load), not this forward. Restore them from a checkpoint and fix that writer."
         )
     elif ev.op_class == "invalid":

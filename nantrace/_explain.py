@@ -180,22 +180,25 @@ def _forward_inputs(ev: Event) -> pd.DataFrame:
     return mine[~lowest_masks(mine)] if len(mine) else mine  # a finfo.min mask is no value it computed from
 
 
-def _forward_head(ev: Event, op_dtype: str | None = None) -> tuple[str, bool]:
-    """The opening sentence; ``op_dtype`` is the dtype the producing op computed in, when the evidence knows it."""
+def _forward_head(ev: Event, op_dtype: str | None = None, hook: str | None = None) -> tuple[str, bool]:
+    """The opening sentence; ``op_dtype`` is the dtype the producing op computed in, when the evidence knows it;
+    ``hook``: the module's forward hook the op ran inside."""
     f, row = ev.fields, ev.row
     own_code = str(row["module"]) != f["module"]
     if own_code:
         line = f" at {ev.source}" if ev.op is not None and ev.source else ""
         by = f"`{ev.op}`{line} in " if ev.op is not None else ""
+        code = f"the {hook}" if hook is not None else "its own forward code"
         at = (
-            f"{by}its own forward code, between its submodules (first seen at `{row['tensor']}` of "
+            f"{by}{code}, between its submodules (first seen at `{row['tensor']}` of "
             f"`{row['module']}`; every submodule output before it was finite)"
         )
     elif ev.op is not None:
         made_in = op_dtype or str(f["dtype"])
         out = "" if made_in == str(f["dtype"]) else f"; the call's output is {f['dtype']}"
         line = f" at {ev.source}" if ev.source else ""
-        at = f"`{ev.op}`{line} inside its forward ({made_in}{out})"
+        inside = f"the {hook}" if hook is not None else "its forward"
+        at = f"`{ev.op}`{line} inside {inside} ({made_in}{out})"
     else:
         at = f"its `{f['tensor']}` ({f['dtype']})"
     who = module_label(str(f["module"]))
@@ -240,7 +243,7 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
     name, dmax, what = module_label(module), dtype_max(dtype), KIND_WORDS[ev.raw_kind]
     inputs = _forward_inputs(ev)
     in_absmax = num(finite_absmax(inputs))
-    head, own_code = _forward_head(ev, oe.dtype if oe.op is not None else None)
+    head, own_code = _forward_head(ev, oe.dtype if oe.op is not None else None, oe.hook)
     inputs_had_inf = _has(inputs, "posinf") or _has(inputs, "neginf")
     beyond = weights_beyond_event(view, Overflow(**f))[0]
     facts = oe.fact_lines() if oe.op is not None else []
@@ -267,6 +270,7 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
     if oe.what == WEIGHTS_HELD:  # it computed from its own weights, which already held the value
         return [
             f"{head}, from finite inputs (input absmax {in_absmax}): {oe.because.replace('its own parameter', 'its parameter', 1)}.",
+            *facts[1:],  # the operand lines (the first names the op, said above)
             *class_advice(oe, module),
         ]
     leak = inputs_had_inf and ev.raw_kind != "nan"  # the -inf of a mask/bias input went on into values

@@ -8,9 +8,14 @@ The JSON object holds:
   ``arg0[1]`` for a tensor inside a list argument, or the keyword), ``dtype``, ``numel``, ``shape``, ``absmax`` and
   ``absmin`` (over the finite values; ``absmin`` is the smallest non-zero ``|x|``), ``n_zero``, ``n_neg``
   (finite values below 0), ``n_posinf``, ``n_neginf``, ``n_nan`` and ``n_at_max`` (finite values whose ``|x|``
-  equals the dtype's largest finite value, e.g. a ``torch.finfo(float16).min`` mask constant). A Python number
-  gives ``name`` and ``value``.
+  equals the dtype's largest finite value, e.g. a ``torch.finfo(float16).min`` mask constant), and, when the
+  tensor is a parameter or buffer of the replayed module, its name relative to that module (``weight``,
+  ``0.bias``) under ``param`` (a parameter that requires grad), ``frozen`` (one that does not) or ``buffer``. A Python number gives ``name`` and ``value``.
 * ``result``: the same statistics of the op's first output holding the new kind.
+* ``hook``: present when the op ran inside a user's forward or forward-pre hook (of the replayed module, of one
+  of its submodules, or a global one) rather than in a ``forward``: ``{"name": "scale", "kind": "forward hook",
+  "module": "0"}`` (``module``: relative to the replayed module, ``""`` for itself, null for a global hook). Plain functions and bound methods are named (``Steer.apply``); a hook that is a callable object or a
+  ``functools.partial`` is not.
 * ``vanished``: ``[value, dtype]`` for each non-zero Python constant that an op of the replay, up to the
   producing one, combined with a tensor of a dtype in which the constant rounds to 0 (``eps=1e-12`` in
   float16, whose smallest subnormal is 6e-8).
@@ -110,18 +115,30 @@ def note_vanished(seen: dict[float, str], args: Any, kwargs: Any, dtype: torch.d
 
 
 def operand_facts(
-    operands: list[tuple[str, Any]], result: torch.Tensor | None, vanished: dict[float, str]
+    operands: list[tuple[str, Any]],
+    result: torch.Tensor | None,
+    vanished: dict[float, str],
+    owned: dict[int, tuple[str, str]] | None = None,
+    hook: tuple[str, str, str | None] | None = None,
 ) -> str:
-    """The JSON text of the ``operands`` column (module docstring)."""
+    """The JSON text of the ``operands`` column (module docstring). ``owned``: ``id(tensor) -> (field, name)`` for the
+    replayed module's parameters and buffers (:func:`nantrace._drill.replay_call`); an operand that is one of them
+    gets ``field: name``. ``hook``: ``(name, kind, module)``
+    of the forward (pre-)hook the op ran inside (:func:`nantrace._drill.hook_codes`)."""
     ops: list[dict[str, Any]] = []
     for name, v in operands:
         if isinstance(v, torch.Tensor):
-            ops.append({"name": name, **tensor_facts(v)})
+            entry = {"name": name, **tensor_facts(v)}
+            if owned and id(v) in owned:
+                entry.update([owned[id(v)]])
+            ops.append(entry)
         else:
             ops.append({"name": name, "value": float(v)})
-    doc = {
+    doc: dict[str, Any] = {
         "operands": ops,
         "result": tensor_facts(result) if result is not None else None,
         "vanished": [[v, d] for v, d in vanished.items()],
     }
+    if hook is not None:
+        doc["hook"] = {"name": hook[0], "kind": hook[1], "module": hook[2]}
     return json.dumps(doc)

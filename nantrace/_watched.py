@@ -20,6 +20,7 @@ from typing import Any
 
 from . import _diagnose, _explain
 from ._diagnosis import DIVERGENCE_MIN_STEPS, Diagnosis
+from ._evidence import WEIGHTS_HELD, op_evidence
 from ._overflow import Overflow
 from ._schema import wanted_kinds
 from ._view import RunView
@@ -188,6 +189,9 @@ def _unjudged(view: RunView, result: Diagnosis) -> Diagnosis:
         return result
     if result.cause == "loss_scale_collapse" and bool((steps["stale_grads"] > 0).any()):
         return result  # the stale-gradient rule decided, before any divergence rule
+    oe = op_evidence(view, ov) if ov is not None and ov.phase == "forward" else None
+    if oe is not None and oe.what == WEIGHTS_HELD:
+        return result  # its weights held the value when the forward read them: no growth made it
     before = steps if ov is None else steps[steps["step"] < ov.step]
     watched = int((before["recorded"].astype(str) == "watch").sum())
     if not watched:

@@ -955,11 +955,15 @@ def test_a_later_step_computing_from_weights_the_optimizer_made_nan_says_so() ->
     msg = later.loc[2, "message"]
     assert (
         msg.splitlines()[0]
-        == "step 2 forward: `0` (Linear) computed +inf from its own non-finite weights (float32)"
+        == "step 2 forward: `0` (`linear`) computed +inf from its own non-finite weights (float32)"
     )
     assert (
-        "from finite inputs (input absmax 1): its parameter `bias` held inf since optimizer.step() of step 1."
+        "from finite inputs (input absmax 1): its parameter `bias` (operand arg2) held +inf and -inf when the "
+        "forward read it, since optimizer.step() of step 1."
     ) in msg
+    assert (
+        "operand arg2 (float32, 4 values, parameter `bias`): absmax n/a, 2 +inf, 2 -inf" in msg.splitlines()
+    )
     assert "add eps" not in msg
 
 
@@ -972,14 +976,16 @@ class NormNet(nn.Module):
         return self.norm(self.fc(x))
 
 
-def test_a_nan_written_into_a_norm_weight_between_steps_is_named_from_the_live_model() -> None:
-    """Before step 2 the loop writes NaN into the LayerNorm's weight (outside optimizer.step()); the GradScaler
-    skips every later step, so the live weight is the one that forward used."""
+@pytest.mark.parametrize("drill", [True, False], ids=["op_facts", "live_model"])
+def test_a_nan_written_into_a_norm_weight_between_steps_is_named(drill: bool) -> None:
+    """Before step 2 the loop writes NaN into the LayerNorm's weight (outside optimizer.step()). The forward
+    replay names the operand that is that parameter; without it (``drill=False``), the GradScaler skips every
+    later step, so the live weight is the one that forward used."""
     torch.manual_seed(0)
     model = NormNet()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
-    with nantrace.trace(model, scaler=scaler, optimizer=opt) as tr:
+    with nantrace.trace(model, scaler=scaler, optimizer=opt, drill=drill) as tr:
         for step in range(4):
             if step == 2:
                 with torch.no_grad():
@@ -999,11 +1005,24 @@ def test_a_nan_written_into_a_norm_weight_between_steps_is_named_from_the_live_m
         "`norm` computed NaN at step 2 from its own weights, which already held non-finite values: not this "
         "forward's arithmetic."
     )
-    assert (
+    live = (
         "invalid: its own parameter `weight` held NaN in the live model, where its last optimizer row (step 1) was "
         "finite: it was written outside optimizer.step()"
-    ) in d.evidence
-    assert d.advice[0].startswith("The weights of `norm` were already non-finite")
+    )
+    read = (
+        "`norm`'s parameter `weight` held NaN when the forward read it; its optimizer row of step 1 was finite: it "
+        "was written outside optimizer.step() (after the update of step 1, before this forward)"
+    )
+    assert (live in d.evidence, read in d.evidence) == ((False, True) if drill else (True, False))
+    if drill:
+        line = next(e for e in d.evidence if e.startswith("operand weight "))
+        assert line.startswith("operand weight (float32, 4 values, parameter `weight`): absmax ")
+        assert line.endswith(", 1 NaN")
+    assert d.advice == [
+        "The weights of `norm` were already non-finite when its forward read them: the fault is what wrote them (an "
+        "optimizer step whose own fault came first, a manual edit, a state-dict load), not this forward. Restore "
+        "them from a checkpoint and fix that writer."
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])

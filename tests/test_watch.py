@@ -730,10 +730,12 @@ def test_a_hidden_inf_that_makes_a_backward_nan_is_replayed_and_named_as_trace_n
     # value counts), under trace and under watch's replay alike
     expected = (1, 0, "forward", "1", "HandSigmoid", 0, "output", "inf")
     assert _fields(traced.first_overflow()) == _fields(watched.first_overflow()) == expected
+    # the NaN gradients reach the weights (SGD: w - 0 · NaN), so step 2's forward is non-finite and replayed too;
+    # its first Linear's `linear` is named there as reading its own NaN weight
     assert traced.ops[["step", "module", "op", "kind", "reaches"]].values.tolist() == [
-        [1, "1", "exp", "posinf", True]
+        [1, "1", "exp", "posinf", True],
+        [2, "0", "linear", "nan", True],
     ]
-    # the NaN gradients reach the weights (SGD: w - 0 · NaN), so step 2's forward is non-finite and replayed too
     assert watched.steps["recorded"].tolist() == ["watch", "replay", "replay"]
     assert watched.diagnose().cause == traced.diagnose().cause == "forward_overflow"
     assert "replaying it after its sentinel saw a non-finite value" in str(watched.first_overflow())

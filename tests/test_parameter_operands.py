@@ -1,0 +1,152 @@
+"""The forward replay names the operands that are the module's own parameters and buffers, and an op that reads
+a trainable weight already holding inf/NaN is named as the producer: the call computed from its own non-finite
+weights, written before the forward. Faults are written by hand (``weight[0, 0] = inf``), so they exist on every
+torch and CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import nantrace
+
+INF_BIAS_SENTENCE = {
+    "trace": (
+        "its parameter `bias` (operand arg2) held +inf when the forward read it; its optimizer row of step 1 was "
+        "finite: it was written outside optimizer.step() (after the update of step 1, before this forward)."
+    ),
+    "watch": (
+        "its parameter `bias` (operand arg2) held +inf when the forward read it; its optimizer row of step 0 was "
+        "finite, and nantrace.watch's parameter check after optimizer.step() of step(s) 1 found every parameter "
+        "finite: it was written outside optimizer.step() (after the update of step 1, before this forward)."
+    ),
+}
+
+
+def _edited_run(mode: str, value: float, at: str = "bias") -> nantrace.Trace:
+    """Three SGD steps of Linear(4, 8) → ReLU → Linear(8, 2) on inputs of 1; before step 2 the loop writes
+    ``value`` into element 0 of the first Linear's ``at`` (outside optimizer.step())."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctx = nantrace.trace if mode == "trace" else nantrace.watch
+    with ctx(model, optimizer=opt) as tr:
+        for step in range(3):
+            if step == 2:
+                with torch.no_grad():
+                    getattr(model[0], at).view(-1)[0] = value
+            loss = model(torch.ones(3, 4)).pow(2).mean()
+            tr.step(loss=loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return tr
+
+
+@pytest.mark.parametrize("mode", ["trace", "watch"])
+def test_an_inf_written_into_a_bias_is_named_as_the_weight_the_forward_read(mode: str) -> None:
+    """+inf in a bias makes a +inf output and nothing new: before, the drill-down found no producing op and the
+    Linear was said to overflow "from finite inputs"."""
+    tr = _edited_run(mode, math.inf)
+    ov = tr.first_overflow()
+    assert ov is not None
+    assert (ov.step, ov.phase, ov.module, ov.kind, ov.tensor) == (2, "forward", "0", "inf", "output")
+    lines = str(ov).splitlines()
+    assert (
+        lines[0] == "step 2 forward: `0` (`linear`) computed +inf from its own non-finite weights (float32)"
+    )
+    assert lines[1].endswith(INF_BIAS_SENTENCE[mode])
+    assert "operand arg2 (float32, 8 values, parameter `bias`): absmax " in lines[4]
+    assert lines[4].endswith(", 1 +inf")
+    assert lines[2].startswith("operand arg0 (float32, 12 values): absmax 1, smallest non-zero |x| 1")
+    d = tr.diagnose()
+    assert d.cause == "invalid_op"
+    assert d.summary == (
+        "`0` computed +inf at step 2 from its own weights, which already held non-finite values: not this "
+        "forward's arithmetic."
+    )
+    assert d.advice == [
+        "The weights of `0` were already non-finite when its forward read them: the fault is what wrote them (an "
+        "optimizer step whose own fault came first, a manual edit, a state-dict load), not this forward. Restore "
+        "them from a checkpoint and fix that writer."
+    ]
+
+
+def test_a_nan_written_into_a_weight_is_found_the_same_by_trace_and_watch() -> None:
+    """A NaN weight is no new kind for the op that reads it (its operand holds NaN), yet the call made NaN from
+    finite inputs: both modes name `linear` and the parameter."""
+    got = {}
+    for mode in ("trace", "watch"):
+        tr = _edited_run(mode, math.nan, at="weight")
+        ov = tr.first_overflow()
+        assert ov is not None
+        got[mode] = (ov.step, ov.micro_step, ov.phase, ov.module, ov.module_type, ov.call, ov.tensor, ov.kind)
+        row = tr.ops.iloc[0]
+        assert (row["op"], row["kind"]) == ("linear", "nan")
+        doc = json.loads(row["operands"])
+        assert [(o["name"], o.get("param")) for o in doc["operands"]] == [
+            ("arg0", None),
+            ("arg1", "weight"),
+            ("arg2", "bias"),
+        ]
+        assert doc["operands"][1]["n_nan"] == 1
+        assert "its parameter `weight` (operand arg1) held NaN when the forward read it" in str(ov)
+    assert got["trace"] == got["watch"] == (2, 0, "forward", "0", "Linear", 0, "output", "nan")
+
+
+class _Scaled(nn.Module):
+    """``x / scale`` with ``scale`` a buffer of 0: x/0 at the singular point."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.scale
+
+
+def test_a_buffer_operand_is_named_and_keeps_its_class() -> None:
+    model = nn.Sequential(_Scaled())
+    with nantrace.trace(model) as tr:
+        model(torch.ones(2, 2))
+    ov = tr.first_overflow()
+    assert ov is not None
+    assert (
+        str(ov).splitlines()[0] == "step 0 forward: `0` (`div`) hit a singular point: x/0 gave +inf (float32)"
+    )
+    assert "operand arg1 (float32, 1 value, buffer `scale`): absmax 0, 1 zero" in str(ov).splitlines()
+    assert tr.diagnose().cause == "invalid_op"
+
+
+class _FrozenMask(nn.Module):
+    """``softmax(x + mask)`` with the additive mask kept as a frozen parameter; its second row is all -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        m = torch.tensor([[0.0, -math.inf], [-math.inf, -math.inf]])
+        self.mask = nn.Parameter(m, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x + self.mask, dim=-1)
+
+
+def test_a_frozen_parameter_holding_a_mask_is_not_taken_for_a_non_finite_weight() -> None:
+    """A parameter that requires no grad may be a mask: its -inf is read as before (the fully masked row's
+    softmax is the producer), not as weights written non-finite."""
+    model = nn.Sequential(_FrozenMask())
+    with nantrace.trace(model) as tr:
+        model(torch.ones(2, 2))
+    ov = tr.first_overflow()
+    assert ov is not None
+    assert str(ov).splitlines()[0] == (
+        "step 0 forward: `0` (`softmax`) made NaN by mask arithmetic: a fully masked row (float32)"
+    )
+    d = tr.diagnose()
+    assert (d.cause, d.summary) == (
+        "invalid_op",
+        "`0` made a non-finite value by mask arithmetic at step 0 (`softmax`: a fully masked row): not an overflow.",
+    )
