@@ -87,6 +87,7 @@ class _Flag:
     owners: list[tuple[str, str]] | None = None  # (module, module_type) per path; None: the root / loss
     # the checked tensors (gradients, parameters), to tell a norm that overflowed from a non-finite element
     tensors: list[torch.Tensor] | None = None
+    dtypes: list[str] | None = None  # per path, when ``tensors`` is None (model inputs, outputs, the loss)
 
 
 def _detach(obj: Any) -> Any:
@@ -103,15 +104,18 @@ def _detach(obj: Any) -> Any:
     return obj
 
 
-def _extremes(items: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor] | None:
+def _extremes(items: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor, list[str]] | None:
     """The minimum and maximum of each floating tensor (one fused ``torch.aminmax`` pass, in its own dtype:
     NaN propagates into both, ±inf shows as the extreme, a large finite value never overflows), stacked as
-    ``[min0, max0, min1, max1, …]`` with each path named twice; None if there is none."""
+    ``[min0, max0, min1, max1, …]`` with each path (and its tensor's dtype) named twice; None if there is
+    none."""
     paths: list[str] = []
+    dtypes: list[str] = []
     ends: list[torch.Tensor] = []
     for path, t in items:
         if t.is_floating_point() and t.numel() and type(t) is torch.Tensor:
             paths += (path, path)
+            dtypes += [str(t.dtype).removeprefix("torch.")] * 2
             ends += torch.aminmax(t.detach())
     if not ends:
         return None
@@ -119,7 +123,7 @@ def _extremes(items: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.T
     wide = (
         torch.float64 if any(e.dtype == torch.float64 for e in ends) else torch.float32
     )  # 1e300 stays finite
-    return paths, torch.stack([e.to(device=device, dtype=wide) for e in ends])
+    return paths, torch.stack([e.to(device=device, dtype=wide) for e in ends]), dtypes
 
 
 def _norms(tensors: list[torch.Tensor], plain: bool = False) -> torch.Tensor:
@@ -590,7 +594,7 @@ class Watch:
         got = _extremes(items)
         if got is not None:
             index = len(self.micro) - 1 if micro is None else micro
-            self.flags.append(_Flag(phase, max(index, 0), got[0], got[1]))
+            self.flags.append(_Flag(phase, max(index, 0), got[0], got[1], dtypes=got[2]))
 
     def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if nested_step():
@@ -694,6 +698,13 @@ def _note_of(bad: tuple[_Flag, int, float], step: int, root_type: str) -> dict[s
     )
     if f.paths[i] == "found_inf":
         module, module_type = "", "GradScaler"
+    dtype = (
+        f.dtypes[i]
+        if f.dtypes
+        else str(f.tensors[i].dtype).removeprefix("torch.")
+        if f.tensors is not None and i < len(f.tensors) and f.paths[i] != "found_inf"
+        else ""
+    )
     return {
         "step": step,
         "micro_step": f.micro,
@@ -703,6 +714,7 @@ def _note_of(bad: tuple[_Flag, int, float], step: int, root_type: str) -> dict[s
         "tensor": f.paths[i],
         "kind": "nan" if math.isnan(v) else "inf",
         "value": "nan" if math.isnan(v) else "inf" if v > 0 else "-inf",
+        "dtype": dtype,
         "recorded": "replay",
     }
 

@@ -2,8 +2,8 @@
 on a step whose replay did not reproduce the fault (pure functions over a :class:`~nantrace._view.RunView`).
 
 The sentinel's notes are in ``view.meta.options["watch"]["sentinel"]`` (saved with the trace): per flagged
-step, where it first saw a non-finite value (``phase``, ``module``, ``tensor``, ``kind``) and how the step was
-recorded. Without ``watch`` every function here returns the plain answer unchanged.
+step, where it first saw a non-finite value (``phase``, ``module``, ``tensor``, ``kind``, the tensor's ``dtype``;
+``""`` for the GradScaler's found-inf) and how the step was recorded. Without ``watch`` every function here returns the plain answer unchanged.
 
 A watched step records no ranges: the rules that read activation, gradient and weight ranges over steps
 (divergence; float16 gradient underflow and a divergence with no overflow yet, on a healthy run) read only the
@@ -158,7 +158,10 @@ def diagnose(view: RunView) -> Diagnosis:
     if missed and (first is None or missed[0].step <= first.step):
         ov = missed[0]
         return Diagnosis(
-            cause=_CAUSE_OF_PHASE.get(ov.phase, "data"),
+            # the cause its phase and kind name (NaN in forward or backward is no overflow): nothing more is known
+            cause="invalid_op"
+            if ov.kind == "nan" and ov.phase in ("forward", "backward")
+            else _CAUSE_OF_PHASE.get(ov.phase, "data"),
             overflow=ov,
             evidence=[str(ov)],
             advice=[

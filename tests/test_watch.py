@@ -398,6 +398,7 @@ def test_a_fault_the_replay_cannot_reproduce_is_reported_as_detected() -> None:
     assert len(tr.records.query("n_posinf > 0 or n_nan > 0")) == 0
     ov = tr.first_overflow()
     assert _fields(ov) == (1, 0, "data", "", "Sequential", 0, "input[0]", "inf")
+    assert ov is not None and ov.dtype == "float32"  # the dtype of the tensor the sentinel checked
     assert "did not reproduce" not in str(ov) and "recorded no non-finite value" in str(ov)
     assert "changed in place" in str(ov)
     d = tr.diagnose()
@@ -406,17 +407,36 @@ def test_a_fault_the_replay_cannot_reproduce_is_reported_as_detected() -> None:
 
 
 class ThirdCallInf(nn.Module):
-    """Its output is +inf on the third forward call ever made, a replay included: Python state a replay cannot
-    restore."""
+    """Its output is +inf (``value``) on the third forward call ever made, a replay included: Python state a
+    replay cannot restore."""
 
-    def __init__(self) -> None:
+    def __init__(self, value: float = math.inf) -> None:
         super().__init__()
-        self.fc, self.calls = nn.Linear(3, 2), 0
+        self.fc, self.calls, self.value = nn.Linear(3, 2), 0, value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         out = self.fc(x)
-        return out * math.inf if self.calls == 3 else out
+        return out * self.value if self.calls == 3 else out
+
+
+def test_a_nan_the_replay_cannot_reproduce_is_no_overflow_and_keeps_its_dtype() -> None:
+    """NaN seen at the model's float16 output and not reproduced: the diagnosis names no overflow (its cause is
+    the one NaN in forward gets, invalid_op) and the event keeps the dtype of the tensor the sentinel checked."""
+    torch.manual_seed(0)
+    model = ThirdCallInf(math.nan).half()
+    with nantrace.watch(model, every=None) as tr:
+        for _ in range(4):
+            tr.step(model(torch.ones(2, 3, dtype=torch.float16)).float().sum())
+    assert tr.steps["recorded"].tolist() == ["watch", "watch", "not_reproduced", "watch"]
+    ov = tr.first_overflow()
+    assert _fields(ov) == (2, 0, "forward", "", "ThirdCallInf", 0, "output", "nan")
+    assert ov is not None and ov.dtype == "float16"
+    d = tr.diagnose()
+    assert (d.cause, d.summary) == (
+        "invalid_op",
+        "Step 2 went non-finite (forward), but its replay did not reproduce it.",
+    )
 
 
 def test_a_replay_whose_forward_stays_finite_does_not_blame_the_real_steps_loss() -> None:
