@@ -19,6 +19,9 @@ from ._evidence import (
     mean_over_nothing,
     op_evidence,
     weights_beyond_event,
+    weights_written,
+    written_advice,
+    written_words,
 )
 from ._explain import samples_words
 from ._facts import DivergenceFacts, Facts, data_growth_words, ratio_per_step
@@ -391,6 +394,9 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     transient = _transient(run, ev, op)
     evidence += transient
     beyond, live = weights_beyond_of(run, ev)
+    # weights beyond the dtype say themselves where they were changed
+    written = weights_written(run.view, ev, oe) if not beyond else []
+    evidence += [written_words(ev, w) for w in written]
     prefix = f"{ev.module}." if ev.module else ""
     evidence += _weights_evidence(run, ev, beyond, live)
     prev = run.output_series(ev.module, ev.step)
@@ -442,6 +448,8 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
         )
     if drift is not None:
         advice.insert(0, drift[1])
+    if written:
+        advice.insert(0, written_advice(ev, written))
     summary = _forward_summary(ev, dtype, oe, op if transient else None, beyond)
     return Diagnosis("forward_overflow", ev, evidence, advice, summary)
 

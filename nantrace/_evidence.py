@@ -66,6 +66,9 @@ __all__ = [
     "op_evidence",
     "weights_beyond_event",
     "weights_nonfinite",
+    "weights_written",
+    "written_advice",
+    "written_words",
 ]
 
 OP_CLASSES: tuple[str, ...] = ("overflow", "singular", "invalid", "cast", "reduction", "mask_arithmetic")
@@ -523,6 +526,61 @@ def _finite_since(view: RunView, ov: Overflow, k: int) -> str:
     return (
         f"{check}: it was written outside optimizer.step() (after the update of step {max([k, *watched])}, "
         "before this forward)"
+    )
+
+
+def weights_written(
+    view: RunView, ov: Overflow, ev: OpEvidence | None
+) -> list[tuple[str, int, float, float]]:
+    """The producing op's finite parameter operands whose absmax, as the forward read them, differs from their
+    last ``optimizer`` row when no ``optimizer.step()`` ran since that row (every step between was skipped by the
+    GradScaler): ``(parameter name under the event's module, row step, absmax after that step, absmax read)``.
+    Only a write outside the optimizer (a manual edit, a state-dict load, a weight average) changes a parameter
+    there; both numbers are the largest finite ``|x|`` of the same tensor."""
+    if ev is None or ov.phase != "forward" or not ev.recorded:
+        return []
+    records = _rank_rows(view.records, ov, _many(view))
+    steps = _rank_rows(view.steps, ov, _many(view))
+    out: list[tuple[str, int, float, float]] = []
+    for o in ev.operands:
+        if not o.param or o.nonfinite or math.isnan(o.absmax):
+            continue
+        owner, _, local = o.param.rpartition(".")
+        module = ".".join(p for p in (ov.module, owner) if p)
+        last = last_optimizer_row(records, module, local, ov.step)
+        if last is None or int(last["n_nan"] + last["n_posinf"] + last["n_neginf"]):
+            continue
+        k, before = int(last["step"]), float(last["absmax"])
+        between = (
+            steps[(steps["step"].to_numpy() > k) & (steps["step"].to_numpy() < ov.step)]
+            if len(steps)
+            else steps
+        )
+        if not all(v is True for v in between["skipped"].tolist()):
+            continue  # an optimizer.step() ran since that row
+        if not math.isclose(before, o.absmax, rel_tol=1e-6):
+            out.append((".".join(p for p in (owner, local) if p), k, before, o.absmax))
+    return out
+
+
+def written_words(ev: Overflow, w: tuple[str, int, float, float]) -> str:
+    """The evidence line of one :func:`weights_written` parameter."""
+    name, k, before, read = w
+    factor = f" (×{num(read / before)})" if before > 0 else ""
+    skipped = f" (the GradScaler skipped every step after {k})" if ev.step > k + 1 else ""
+    return (
+        f"its parameter `{name}` had absmax {num(before)} after optimizer.step() of step {k} and {num(read)} when "
+        f"this forward read it{factor}, with no optimizer.step() in between{skipped}: it was written outside the "
+        "optimizer"
+    )
+
+
+def written_advice(ov: Overflow, written: list[tuple[str, int, float, float]]) -> str:
+    """The advice for :func:`weights_written`'s parameters: find what wrote them."""
+    names = ", ".join(f"`{'.'.join(p for p in (ov.module, w[0]) if p)}`" for w in written)
+    return (
+        f"Find what wrote {names} after optimizer.step() of step {written[0][1]} and before this forward (a manual "
+        "edit, a state-dict load, a weight average): the optimizer did not change it in between."
     )
 
 

@@ -24,6 +24,9 @@ from ._evidence import (
     mean_over_nothing,
     op_evidence,
     weights_beyond_event,
+    weights_written,
+    written_advice,
+    written_words,
 )
 from ._fmt import module_label, num
 from ._hooks import CAST_OP
@@ -132,7 +135,9 @@ def _reach(step_df: pd.DataFrame, micro: int) -> str:
 
 
 def _climb(records: pd.DataFrame, module: str, step: int) -> str:
-    """'its output absmax grew every step since step S (a → b)' when the trace shows a climb of ≥ 2 steps."""
+    """'its output absmax grew every step since step S (a → b)' when the trace shows a climb of ≥ 2 steps, and
+    which step made most of it when its one factor exceeds that of all the earlier steps of the climb together
+    (a jump, not a steady climb)."""
     rows = records[
         (records["module"].astype(str) == module)
         & (records["phase"].astype(str) == "forward")
@@ -152,7 +157,14 @@ def _climb(records: pd.DataFrame, module: str, step: int) -> str:
     if len(vals) - 1 - i < 2:
         return ""
     s0 = int(per_step.index[i])
-    return f" Its output absmax had grown every step since step {s0} ({num(vals[i])} → {num(vals[-1])})."
+    text = f" Its output absmax had grown every step since step {s0} ({num(vals[i])} → {num(vals[-1])})"
+    last, before = vals[-1] / vals[-2], vals[-2] / vals[i]
+    if vals[i] > 0 and last > before:  # one step made more of the climb than all the others together
+        text += (
+            f", most of it at step {int(per_step.index[-1])}: ×{num(last)} in that one step against ×{num(before)} "
+            "over the steps before"
+        )
+    return text + "."
 
 
 def _only_nan_out(ev: Event) -> bool:
@@ -315,7 +327,17 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
         ]
     if oe.op_class != "reduction":
         advice = [*extra, *advice]
-    return [f"{head}, from finite inputs (input absmax {in_absmax}); {limit}.{climb}", *facts, *advice]
+    ov = Overflow(**f)
+    written = weights_written(view, ov, oe)
+    lines = [f"{w[0].upper()}{w[1:]}." for w in (written_words(ov, x) for x in written)]
+    if written:
+        advice.insert(0, written_advice(ov, written))
+    return [
+        f"{head}, from finite inputs (input absmax {in_absmax}); {limit}.{climb}",
+        *facts,
+        *lines,
+        *advice,
+    ]
 
 
 def _loss(ev: Event) -> str:

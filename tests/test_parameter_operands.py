@@ -150,3 +150,61 @@ def test_a_frozen_parameter_holding_a_mask_is_not_taken_for_a_non_finite_weight(
         "invalid_op",
         "`0` made a non-finite value by mask arithmetic at step 0 (`softmax`: a fully masked row): not an overflow.",
     )
+
+
+def _scaled_weight_run(edit: bool) -> nantrace.Trace:
+    """Four float16-autocast steps of Linear(4, 4) (weight 0.5, bias 0, SGD at lr 0: the optimizer changes
+    nothing) on inputs of 1: the output is 2. Before step 2 the loop multiplies the weight by 1e5 when ``edit``:
+    the output is then 4 · 5e4 = 2e5, beyond float16's 65504."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)
+        model[0].bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # 1024 · dloss/dy = 1024 stays finite in float16
+    with nantrace.trace(model, scaler=scaler, optimizer=opt) as tr:
+        for step in range(4):
+            if edit and step == 2:
+                with torch.no_grad():
+                    model[0].weight.mul_(1e5)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.ones(2, 4)).float().sum()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return tr
+
+
+def test_a_weight_multiplied_between_steps_is_named_as_written_outside_the_optimizer() -> None:
+    """The weight the forward read (the producing op's parameter operand) has another absmax than the optimizer
+    left in it after step 1, with no optimizer.step() in between: a write outside the optimizer, said in the
+    explanation and the diagnosis, with the advice to find that writer first."""
+    tr = _scaled_weight_run(edit=True)
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase, ov.module, ov.kind) == (2, "forward", "0", "inf")
+    fact = (
+        "its parameter `weight` had absmax 0.5 after optimizer.step() of step 1 and 50000 when this forward read it "
+        "(×100000), with no optimizer.step() in between: it was written outside the optimizer"
+    )
+    advice = (
+        "Find what wrote `0.weight` after optimizer.step() of step 1 and before this forward (a manual edit, a "
+        "state-dict load, a weight average): the optimizer did not change it in between."
+    )
+    lines = str(ov).splitlines()
+    assert "I" + fact[1:] + "." in lines
+    assert lines[lines.index("I" + fact[1:] + ".") + 1] == advice
+    d = tr.diagnose()
+    assert d.cause == "forward_overflow"
+    assert fact in d.evidence
+    assert d.advice[0] == advice
+
+
+def test_weights_the_optimizer_left_as_the_forward_read_them_are_not_called_written() -> None:
+    """The same run without the edit: the forward of every step reads what optimizer.step() left; nothing is
+    non-finite and no parameter is said to be written outside the optimizer (the check, run on the edited
+    run's event, compares equal absmax values here)."""
+    tr = _scaled_weight_run(edit=False)
+    assert tr.first_overflow() is None
+    rows = tr.records.query("phase == 'optimizer' and tensor == 'weight'")
+    assert rows["absmax"].tolist() == [0.5, 0.5, 0.5, 0.5]

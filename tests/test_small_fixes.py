@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import records_frame
 from torch import nn
 
 import nantrace
@@ -57,3 +58,28 @@ def test_report_on_a_folder_with_a_missing_rank_prints_a_clean_warning_line(
         f"nantrace: warning: '{folder}' holds 1 of 2 rank parts; ranks [1] are missing (did they crash before "
         "Trace.save?). The merged trace covers the ranks present."
     ]
+
+
+@pytest.mark.parametrize(
+    ("absmax", "expected"),
+    [
+        (
+            [1.0, 1.2, 1.5, 3000.0],
+            " Its output absmax had grown every step since step 0 (1 → 3000), most of it at step 3: ×2000 in that one "
+            "step against ×1.5 over the steps before.",
+        ),
+        ([1.0, 2.0, 4.0, 8.0], " Its output absmax had grown every step since step 0 (1 → 8)."),
+        ([4.0, 2.0, 3000.0], ""),  # one rise is no climb of ≥ 2 steps
+    ],
+    ids=["jump", "steady", "one_rise"],
+)
+def test_a_climb_says_when_one_step_made_most_of_it(absmax: list[float], expected: str) -> None:
+    """'grew every step' was said of a run whose last step alone multiplied the absmax by 2000 (a weight edited
+    by hand between steps): the step that made most of the climb is named with its factor."""
+    from nantrace._explain import _climb
+
+    rows = [
+        {"step": s, "phase": "forward", "module": "0", "tensor": "output", "absmax": a}
+        for s, a in enumerate(absmax)
+    ]
+    assert _climb(records_frame(rows), "0", len(absmax) - 1) == expected
