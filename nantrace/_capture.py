@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 from ._masks import mask_named
 from ._schema import KINDS
 from ._stats import describable, tensor_kinds
-from ._tree import clone_tree, flatten
+from ._tree import clone_tree, flatten, plain_state
 
 __all__ = ["Capture", "CapturedCall", "class_path", "make_capture"]
 
@@ -71,6 +71,9 @@ class CapturedCall:
     call: int
     kinds: tuple[str, ...]
     hooks: Callable[[], list[Any]] = field(repr=False, default=list)
+    # the module's (and its submodules') plain Python attributes when the call started
+    # (:func:`nantrace._tree.plain_state`)
+    attributes: dict[str, dict[str, Any]] = field(default_factory=dict)
     # requires_grad of each tensor of (args, kwargs), in pytree leaf order, and of each named parameter
     input_grad: tuple[bool, ...] = ()
     param_grad: dict[str, bool] = field(default_factory=dict)
@@ -106,7 +109,7 @@ class Capture:
     def __init__(self, names: frozenset[str] | None, hooks: Callable[[], list[Any]]) -> None:
         self.names = names  # None: every module ("first")
         self.codes: dict[int, tuple[str, str]] = {}
-        self.open: list[tuple[int, Any, Any, tuple[bool, ...]]] = []
+        self.open: list[tuple[int, Any, Any, tuple[bool, ...], dict[str, dict[str, Any]]]] = []
         self.kept: CapturedCall | None = None
         # named capture only: the latest clean call of a named module, frozen at the end of the first step that
         # recorded a non-finite value (for a fault that shows in backward only)
@@ -131,18 +134,18 @@ class Capture:
         if self.names is None or name in self.names:
             self.codes[mcode] = (name, mtype)
 
-    def pre(self, mcode: int, args: Any, kwargs: Any) -> None:
+    def pre(self, module: nn.Module, mcode: int, args: Any, kwargs: Any) -> None:
         if self.kept is not None or mcode not in self.codes:
             return
         flags = tuple(t.requires_grad for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-        self.open.append((mcode, clone_tree(args), clone_tree(kwargs), flags))
+        self.open.append((mcode, clone_tree(args), clone_tree(kwargs), flags, plain_state(module)))
 
     def post(self, module: nn.Module, mcode: int, output: Any, step: int, micro: int, call: int) -> None:
         if mcode not in self.codes:
             return
         for i in range(len(self.open) - 1, -1, -1):
             if self.open[i][0] == mcode:
-                _, args, kwargs, flags = self.open[i]
+                _, args, kwargs, flags, attributes = self.open[i]
                 del self.open[i:]
                 break
         else:
@@ -177,6 +180,7 @@ class Capture:
             hooks=self.hooks,
             input_grad=flags,
             param_grad={n: p.requires_grad for n, p in module.named_parameters()},
+            attributes=attributes,
         )
         if not produced:  # named capture: keep the latest clean call, in case the fault shows in backward
             self.latest = call_

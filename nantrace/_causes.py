@@ -351,6 +351,43 @@ def _forward_summary(
     return f"{who} in its forward at step {ev.step}: activations exceeded {num(limit)} from finite inputs."
 
 
+def _own_code_line(ev: Overflow, hook: str | None) -> str:
+    """The evidence of an overflow first seen between a module's submodules (its own forward code, or a hook
+    that ran inside its call)."""
+    where = (
+        f"first seen at `{ev.tensor}` of a submodule"
+        if ev.tensor.startswith("input")
+        else f"first seen at `{ev.tensor}` of {module_label(ev.module)} itself, not of a submodule"
+    )
+    code = (
+        f"the {hook}, which ran inside {module_label(ev.module)}'s call"
+        if hook is not None
+        else f"{module_label(ev.module)}'s own forward code"
+    )
+    return f"{where}: the overflow is in {code} between its submodules (every submodule output before it was finite)"
+
+
+def _beyond_advice(
+    run: Facts, ev: Overflow, beyond: list[tuple[str, str, float, int]], live: bool, limit: float
+) -> str:
+    """The advice for weights beyond the dtype's max: keep them below it (read from optimizer rows), or find
+    what set them (read from the live model)."""
+    prefix = f"{ev.module}." if ev.module else ""
+    grown = ", ".join(f"`{prefix}{t[0]}`" for t in beyond)
+    if live:
+        return (
+            f"Find what set the weights of {module_label(ev.module)} ({grown}) above {num(limit)} (an in-place edit, "
+            "a checkpoint) and keep them well below it: a smaller learning rate, weight decay, or gradient clipping."
+        )
+    lr = run.lr.get(beyond[0][3], math.nan)
+    lr_text = f" (lr was {lr:.4g} at step {beyond[0][3]})" if not math.isnan(lr) else ""
+    return (
+        f"Keep the weights of {module_label(ev.module)} ({grown}) well below {num(limit)}: a smaller learning rate"
+        f"{lr_text}, weight decay, or gradient clipping (`torch.nn.utils.clip_grad_norm_`, after "
+        "`scaler.unscale_(optimizer)`)."
+    )
+
+
 def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     inputs = call_inputs(run, ev)
     in_absmax = finite_absmax(inputs)
@@ -372,21 +409,7 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
         )
     hook = oe.hook if oe is not None else None
     if own_code:
-        where = (
-            f"first seen at `{ev.tensor}` of a submodule"
-            if ev.tensor.startswith("input")
-            else f"first seen at `{ev.tensor}` of {module_label(ev.module)} itself, not of a submodule"
-        )
-        code = (
-            f"the {hook}, which ran inside {module_label(ev.module)}'s call"
-            if hook is not None
-            else f"{module_label(ev.module)}'s own forward code"
-        )
-        evidence.append(
-            f"{where}: the overflow is in {code} between its submodules (every submodule output before it was "
-            "finite)"
-        )
-    oe = op_evidence(run.view, ev)
+        evidence.append(_own_code_line(ev, hook))
     if op:
         evidence.append(f"the forward replay names the op: `{op}`")
         if oe is not None and oe.op is not None:
@@ -423,17 +446,7 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
             f"values near {num(in_absmax)}): normalise before it (pre-norm) or compute that op in float32.",
         )
     if beyond:
-        lr = run.lr.get(beyond[0][3], math.nan)
-        lr_text = f" (lr was {lr:.4g} at step {beyond[0][3]})" if not math.isnan(lr) else ""
-        grown = ", ".join(f"`{prefix}{t[0]}`" for t in beyond)
-        advice[:0] = [
-            f"Keep the weights of {module_label(ev.module)} ({grown}) well below {num(limit)}: a smaller learning rate"
-            f"{lr_text}, weight decay, or gradient clipping (`torch.nn.utils.clip_grad_norm_`, after "
-            "`scaler.unscale_(optimizer)`)."
-            if not live
-            else f"Find what set the weights of {module_label(ev.module)} ({grown}) above {num(limit)} (an in-place edit, "
-            "a checkpoint) and keep them well below it: a smaller learning rate, weight decay, or gradient clipping.",
-        ]
+        advice.insert(0, _beyond_advice(run, ev, beyond, live, limit))
     if oe is not None and class_advice(oe, ev.module):
         advice[:0] = class_advice(oe, ev.module)
     elif in_absmax > limit and not own_code and not beyond:  # its input was beyond the dtype before it ran

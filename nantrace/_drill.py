@@ -26,6 +26,7 @@ transient inf can exist.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -43,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._opfacts import named_operands, note_vanished, operand_facts
 from ._stats import describable, either_sign, op_input_kinds, tensor_kinds
-from ._tree import clone_tree, flatten
+from ._tree import clone_tree, flatten, plain_state, restore_plain
 
 __all__ = [
     "CAST_OP",
@@ -397,7 +398,8 @@ def replay_call(
     owned: dict[int, tuple[str, str]] | None = None,
 ) -> Any:
     """Run ``module`` on copies of ``args``/``kwargs`` and of its buffers (``torch.func.functional_call``) under
-    ``modes``, with autograd off and the CPU RNG state forked; the call's output, or None when a mode stopped
+    ``modes``, with autograd off, the CPU RNG state forked and the plain Python attributes of its submodules
+    set back afterwards (:func:`nantrace._tree.restore_plain`: a call counter is not moved on by the replay); the call's output, or None when a mode stopped
     it or it raised (best effort: a replay never raises). In a process group of several ranks a call that may
     issue a collective is not replayed (:func:`issues_collectives`, :class:`NoCollectives`): the other ranks
     would never join it. ``owned``, when given, is filled before the modes run with ``id(tensor) -> (field,
@@ -417,6 +419,7 @@ def replay_call(
         for n, t in buffers.items():
             p = params.get(n)
             owned[id(t)] = ("buffer" if p is None else "param" if p.requires_grad else "frozen", n)
+    attributes = plain_state(module)  # a forward that counts its calls must not count the replay
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             args_c, kwargs_c = clone_tree(args, strict=True), clone_tree(kwargs, strict=True)
@@ -428,6 +431,9 @@ def replay_call(
                 )
     except Exception:
         return None
+    finally:
+        with contextlib.suppress(Exception):  # an attribute that refuses to be set back: never raised
+            restore_plain(module, attributes)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -403,7 +403,7 @@ class Recorder:
             call = self.calls.get(mcode, 0)
             self.calls[mcode] = call + 1
             if self.capture is not None:
-                self.capture.pre(mcode, args, kwargs)
+                self.capture.pre(module, mcode, args, kwargs)
             parent = self.stack[-1][0] if self.stack else -1
             names = positional_names(module)
             items = flatten_list(args, "input")

@@ -216,7 +216,12 @@ def save_repro(call: CapturedCall, path: str | os.PathLike[str]) -> Path:
         )
     _check_importable(module, call.module_name)
     try:
-        module_bytes = _pickle(_skeleton(module, call.hooks()))
+        skeleton = _skeleton(module, call.hooks())
+        for name, attrs in call.attributes.items():  # as they were when the call started
+            sub = skeleton.get_submodule(name)
+            for k, v in attrs.items():
+                setattr(sub, k, copy.deepcopy(v))
+        module_bytes = _pickle(skeleton)
         call_bytes = _pickle((call.args, call.kwargs))
     except Exception as e:
         raise NantraceError(
@@ -250,7 +255,9 @@ class Repro:
 
     Attributes:
         module: the rebuilt ``nn.Module`` with the ``state_dict`` it had right after the captured call (its
-            ``training`` flag as it was).
+            ``training`` flag as it was), and the plain Python attributes (numbers, strings, flags, small
+            containers of those) it and its submodules had when the call started: a call counter or a flag the
+            forward reads is as the traced call saw it, not as it was when the reproducer was saved.
         module_name: its qualified name in the traced model (``""`` is the root).
         module_type, module_class: class name and import path (``"pkg.mod.Class"``).
         args, kwargs: the call's inputs as they were when the call started (``detach().clone()`` copies).

@@ -1,4 +1,5 @@
-"""Nested containers of tensors: flattening them into named paths, and copying them (a leaf module)."""
+"""Nested containers of tensors: flattening them into named paths, and copying them; a module tree's plain Python
+attributes, saved and restored (a leaf module)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,53 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_DEPTH", "clone_tree", "flatten", "flatten_list"]
+__all__ = ["MAX_DEPTH", "clone_tree", "flatten", "flatten_list", "plain_state", "restore_plain"]
 
 MAX_DEPTH = 6
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _is_plain(v: Any, depth: int = 0) -> bool:
+    if isinstance(v, _PLAIN):
+        return True
+    if depth < 3 and isinstance(v, (tuple, list, frozenset, set)) and len(v) <= 64:
+        return all(_is_plain(x, depth + 1) for x in v)
+    if depth < 3 and type(v) is dict and len(v) <= 64:
+        return all(_is_plain(k, depth + 1) and _is_plain(x, depth + 1) for k, x in v.items())
+    return False
+
+
+def plain_state(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """``{submodule name: {attribute: value}}`` of the plain Python attributes (numbers, strings, None, and
+    small tuples/lists/sets/dicts of those) in each submodule's ``__dict__``, copied: a call counter, a flag,
+    a step count the forward reads. Parameters, buffers, submodules, hooks and torch's own fields are not
+    attributes here. What a forward depends on beyond its tensors, kept when the call starts so that a
+    reproducer saved later runs the call as it ran."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, m in module.named_modules():
+        own = {
+            k: copy.deepcopy(v)
+            for k, v in vars(m).items()
+            if not k.startswith("_") and k != "training" and _is_plain(v)
+        }
+        if own:
+            out[name] = own
+    return out
+
+
+def restore_plain(module: torch.nn.Module, saved: dict[str, dict[str, Any]]) -> None:
+    """Set the plain attributes of ``module``'s submodules back to ``saved`` (:func:`plain_state`), and remove
+    plain attributes made since (a replayed forward that counted its calls or set a flag leaves no trace)."""
+    now = plain_state(module)
+    for name, m in module.named_modules():
+        before = saved.get(name, {})
+        for k in now.get(name, {}):
+            if k not in before:
+                delattr(m, k)
+        for k, v in before.items():
+            setattr(m, k, v)
 
 
 def flatten(obj: Any, prefix: str, depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:

@@ -47,7 +47,7 @@ from ._hooks import eager, in_backward
 from ._naming import is_sharded
 from ._scaler import current_lr, nested_step
 from ._schema import PHASE_CODE, PHASES, RECORDED
-from ._tree import flatten
+from ._tree import flatten, plain_state, restore_plain
 
 if TYPE_CHECKING:
     from ._recording import Recording
@@ -264,10 +264,12 @@ def _found_inf(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
 
 @contextlib.contextmanager
 def _restored(model: nn.Module, params: list[nn.Parameter]) -> Iterator[None]:
-    """Save ``.grad`` of ``params`` (set to None inside), the buffers of ``model`` and the RNG states; restore
-    them on exit."""
+    """Save ``.grad`` of ``params`` (set to None inside), the buffers of ``model``, the RNG states and the plain
+    Python attributes of its modules (:func:`nantrace._tree.plain_state`: a call counter); restore them on
+    exit."""
     grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    attributes = plain_state(model)
     cpu = torch.get_rng_state()
     accel = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     for p in params:
@@ -283,6 +285,7 @@ def _restored(model: nn.Module, params: list[nn.Parameter]) -> Iterator[None]:
         torch.set_rng_state(cpu)
         if accel is not None:
             torch.cuda.set_rng_state_all(accel)
+        restore_plain(model, attributes)
 
 
 class Watch:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
@@ -15,6 +16,30 @@ from nantrace._store import canonical_records, canonical_steps
 from nantrace._view import RunView, loaded_view
 
 # ------------------------------------------------------------------------------------------ tiny models
+
+
+def sgd_run(mode: str, steps: int, before: Callable[[nn.Sequential, int], Any]) -> Any:
+    """``steps`` SGD steps (lr 0.01, seed 0) of Linear(4, 8) → ReLU → Linear(8, 2) on inputs of 1 (3 rows), the
+    loss ``mean(y²)`` given to ``tr.step``, under ``nantrace.trace`` (``mode="trace"``) or ``nantrace.watch``.
+    ``before(model, step)`` runs before each step's forward (a hand edit, a hook registered); what it returns,
+    when it has ``remove()`` (a hook handle), is removed after that step. Returns the Trace."""
+    import nantrace
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctx = nantrace.trace if mode == "trace" else nantrace.watch
+    with ctx(model, optimizer=opt) as tr:
+        for step in range(steps):
+            handle = before(model, step)
+            loss = model(torch.ones(3, 4)).pow(2).mean()
+            tr.step(loss=loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if hasattr(handle, "remove"):
+                handle.remove()
+    return tr
 
 
 class TwoLinear(nn.Module):

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import sgd_run
 from torch import nn
 
 import nantrace
@@ -32,23 +33,10 @@ class Steer:
 
 
 def _run(mode: str, register: Callable[[nn.Sequential], Any]) -> nantrace.Trace:
-    """Two SGD steps of Linear(4, 4) → ReLU → Linear(4, 2) on inputs of 1; the hook is registered before step 1
-    (inside the trace) and removed after it."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ctx = nantrace.trace if mode == "trace" else nantrace.watch
-    with ctx(model, optimizer=opt) as tr:
-        for step in range(2):
-            handle = register(model) if step == 1 else None
-            loss = model(torch.ones(2, 4)).sum()
-            tr.step(loss=loss)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if handle is not None:
-                handle.remove()
-    return tr
+    """Two SGD steps (:func:`conftest.sgd_run`); the hook is registered before step 1 (inside the trace) and
+    removed after it."""
+    result: nantrace.Trace = sgd_run(mode, 2, lambda m, step: register(m) if step == 1 else None)
+    return result
 
 
 @pytest.mark.parametrize("mode", ["trace", "watch"])

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from conftest import sgd_run
 from torch import nn
 
 import nantrace
@@ -28,23 +29,16 @@ INF_BIAS_SENTENCE = {
 
 
 def _edited_run(mode: str, value: float, at: str = "bias") -> nantrace.Trace:
-    """Three SGD steps of Linear(4, 8) → ReLU → Linear(8, 2) on inputs of 1; before step 2 the loop writes
-    ``value`` into element 0 of the first Linear's ``at`` (outside optimizer.step())."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ctx = nantrace.trace if mode == "trace" else nantrace.watch
-    with ctx(model, optimizer=opt) as tr:
-        for step in range(3):
-            if step == 2:
-                with torch.no_grad():
-                    getattr(model[0], at).view(-1)[0] = value
-            loss = model(torch.ones(3, 4)).pow(2).mean()
-            tr.step(loss=loss)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return tr
+    """Three SGD steps (:func:`conftest.sgd_run`); before step 2 the loop writes ``value`` into element 0 of
+    the first Linear's ``at`` (outside optimizer.step())."""
+
+    def edit(model: nn.Sequential, step: int) -> None:
+        if step == 2:
+            with torch.no_grad():
+                getattr(model[0], at).view(-1)[0] = value
+
+    result: nantrace.Trace = sgd_run(mode, 3, edit)
+    return result
 
 
 @pytest.mark.parametrize("mode", ["trace", "watch"])

@@ -486,3 +486,33 @@ def test_hunt_hint_of_a_captured_call_says_to_hunt_it_not_to_trace_again(tmp_pat
         m(x)
     text = str(named.first_overflow())
     assert "produced +inf in `add` at " in text and "nantrace.hunt" not in text
+
+
+class SecondCallBoom(nn.Module):
+    """Counts its calls; on the second one its output is multiplied by 1e39 (beyond float32's 3.4e38)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls, self.mode = 0, {"scale": 1e39}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * self.mode["scale"] if self.calls == 2 else x
+
+
+def test_a_reproducer_keeps_the_python_attributes_the_call_started_with(tmp_path: Path) -> None:
+    """The reproducer is saved after a third call moved the counter on: it rebuilds the module with the counter
+    as the captured call saw it (1 before it ran), so its run overflows again (it was pickled with the counter at
+    save time, 3, and stayed finite). The user's counter is 3, the real calls: the drill-down's replay of the
+    overflowing call set it back (it was 4)."""
+    m = nn.Sequential(SecondCallBoom())
+    with nantrace.trace(m, capture="first") as tr:
+        for _ in range(3):
+            m(torch.ones(2, 2))
+    assert m[0].calls == 3
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.module) == (1, "0")
+    repro = nantrace.load_repro(ov.save_repro(tmp_path / "count.repro"))
+    assert repro.module.calls == 1 and repro.module.mode == {"scale": 1e39}
+    assert torch.isinf(repro.run()).all()
+    assert repro.module.calls == 2 and m[0].calls == 3

@@ -449,6 +449,7 @@ def test_a_replay_whose_forward_stays_finite_does_not_blame_the_real_steps_loss(
         for _ in range(4):
             tr.step(model(torch.ones(2, 3)).sum())
     assert tr.steps["recorded"].tolist() == ["watch", "watch", "not_reproduced", "watch"]
+    assert model.calls == 4  # the replay's call is not counted: its plain attributes were set back
     assert len(tr.records.query("step == 2 and phase == 'forward' and (n_posinf > 0 or n_nan > 0)")) == 0
     assert len(tr.records.query("step == 2 and phase == 'loss' and n_neginf > 0")) == 1  # the real loss, -inf
     ov = tr.first_overflow()
