@@ -108,12 +108,12 @@ def _extremes(items: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.T
     """The minimum and maximum of each floating tensor (one fused ``torch.aminmax`` pass, in its own dtype:
     NaN propagates into both, ±inf shows as the extreme, a large finite value never overflows), stacked as
     ``[min0, max0, min1, max1, …]`` with each path (and its tensor's dtype) named twice; None if there is
-    none."""
+    none. Sparse and other non-strided tensors are skipped, as the recording skips them."""
     paths: list[str] = []
     dtypes: list[str] = []
     ends: list[torch.Tensor] = []
     for path, t in items:
-        if t.is_floating_point() and t.numel() and type(t) is torch.Tensor:
+        if t.is_floating_point() and t.layout == torch.strided and t.numel() and type(t) is torch.Tensor:
             paths += (path, path)
             dtypes += [str(t.dtype).removeprefix("torch.")] * 2
             ends += torch.aminmax(t.detach())

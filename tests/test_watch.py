@@ -1293,3 +1293,49 @@ def test_a_weight_written_between_steps_is_not_claimed_to_be_the_optimizers_doin
                 "nantrace.trace() records the forward that would tell them apart.)"
             )
     assert answers == [(2, "forward", "0", "output"), (2, "optimizer", "0", "weight")]
+
+
+class SparseMix(nn.Module):
+    """``fc(x)`` plus the sum of a sparse product; the output is multiplied by 1e39 (past float32's max) when
+    ``x[0, 0] > 100``. With ``echo`` the sparse input is also returned."""
+
+    def __init__(self, echo: bool = False) -> None:
+        super().__init__()
+        self.fc, self.echo = nn.Linear(3, 3), echo
+
+    def forward(self, x: torch.Tensor, adj: torch.Tensor) -> Any:
+        out = self.fc(x) * (1e39 if bool(x[0, 0] > 100) else 1.0) + torch.sparse.mm(adj, x).sum()
+        return (out, adj) if self.echo else out
+
+
+@pytest.mark.parametrize(
+    ("layout", "echo"), [("coo", False), ("coo", True), ("csr", False)], ids=["coo", "coo_output", "csr"]
+)
+def test_watch_skips_sparse_tensors_and_replays_a_step_that_has_them(layout: str, echo: bool) -> None:
+    """The sentinel's aminmax does not run on sparse tensors (it raised NotImplementedError/RuntimeError into
+    the loop, found by the new-user check): they are skipped, as trace skips them, and a faulty step with a
+    sparse input is replayed and named as trace names it."""
+    answers = []
+    for make in (nantrace.trace, nantrace.watch):
+        m = SparseMix(echo)
+        with torch.no_grad():  # every output positive: the product is +inf
+            m.fc.weight.fill_(0.5)
+            m.fc.bias.zero_()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        adj = torch.eye(2).to_sparse() if layout == "coo" else torch.eye(2).to_sparse_csr()
+        with make(m, optimizer=opt) as tr:
+            for step in range(3):
+                x = torch.ones(2, 3)
+                x[0, 0] = 200.0 if step == 1 else 0.0
+                out = m(x, adj)
+                loss = (out[0] if echo else out).sum()
+                tr.step(loss=loss)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        answers.append(_fields(tr.first_overflow()))
+    assert (
+        answers[0]
+        == answers[1]
+        == (1, 0, "forward", "", "SparseMix", 0, "output[0]" if echo else "output", "inf")
+    )
