@@ -479,11 +479,14 @@ def _read_words(view: RunView, ov: Overflow, held: list[Operand]) -> str:
     held inf/NaN (:class:`Operand` ``param``, relative to the event's module)."""
     words = []
     for o in held:
-        pname = str(o.param)
+        pname = str(o.param or o.frozen)
         kinds = [w for n, w in ((o.n_posinf, "+inf"), (o.n_neginf, "-inf"), (o.n_nan, "NaN")) if n]
         owner, _, local = pname.rpartition(".")
         module = ".".join(p for p in (ov.module, owner) if p)
-        named = f" (operand {o.name})" if o.name != local else ""
+        notes = [f"operand {o.name}"] if o.name != local else []
+        if o.frozen:
+            notes.append("frozen: requires_grad=False, so no optimizer.step() changes it")
+        named = f" ({'; '.join(notes)})" if notes else ""
         text = f"`{pname}`{named} held {' and '.join(kinds)} when the forward read it"
         last = last_optimizer_row(_rank_rows(view.records, ov, _many(view)), module, local, ov.step)
         if last is not None:
@@ -500,7 +503,7 @@ def _read_words(view: RunView, ov: Overflow, held: list[Operand]) -> str:
 def _finite_since(view: RunView, ov: Overflow, k: int) -> str:
     """The rest of "its optimizer row of step 1 was finite…": what the steps after ``k`` and before the event
     tell of optimizer.step(). A skipped step ran none; a step ``nantrace.watch`` only watched checked every
-    parameter after it (its ``steps.recorded`` stays ``watch`` only when that check found all finite). When
+    parameter that has a gradient (every one optimizer.step() updates) after it (its ``steps.recorded`` stays ``watch`` only when that check found all finite). When
     each step between is one of those, no optimizer.step() made the value."""
     steps = _rank_rows(view.steps, ov, _many(view))
     between = (
@@ -519,7 +522,7 @@ def _finite_since(view: RunView, ov: Overflow, k: int) -> str:
         return ""  # a step between whose optimizer.step() left no record of this parameter
     check = (
         f", and nantrace.watch's parameter check after optimizer.step() of step(s) {steps_text(watched)} found "
-        "every parameter finite"
+        "every parameter it updated finite"
         if watched
         else ""
     )
@@ -986,7 +989,7 @@ def op_evidence(view: RunView, ov: Overflow) -> OpEvidence | None:
         kind = str(row["kind"])
         ops, vanished, recorded, result_dtype, hook = _operands(row.get("operands"), ov.module)
         dtype = _op_dtype(str(row["op"]), ops, dtype, result_dtype)
-        held = [o for o in ops if o.param and o.nonfinite]
+        held = [o for o in ops if (o.param and o.nonfinite) or (o.frozen and (o.n_nan or o.n_posinf))]
         if beyond and str(row["op"]) != CAST_OP:
             cls, because, what = _classify_call(view, ov, kind, beyond)
         elif held and ov.phase == "forward":  # it computed from its own weights: nothing in the call made it

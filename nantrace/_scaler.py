@@ -177,7 +177,8 @@ def nested_step() -> bool:
 
 
 def attach_optimizer(r: Recording, optimizer: torch.optim.Optimizer) -> None:
-    """The optimizer's step post-hook (parameters after ``step()``, lr, the step boundary without a scaler)
+    """The optimizer's step post-hook (parameters after ``step()``, those with a ``.grad`` only; lr, the step
+    boundary without a scaler)
     and, in a distributed run, its step pre-hook (the reduced gradients)."""
 
     def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -186,7 +187,10 @@ def attach_optimizer(r: Recording, optimizer: torch.optim.Optimizer) -> None:
             return
         if "optimizer" in rec.phases:
             for p, mcode, tcode, pname in r.params:
-                rec.add("optimizer", mcode, tcode, 0, pname, p, is_grad=False, parent=-1)
+                # a parameter without a gradient is one optimizer.step() did not update (torch's optimizers skip
+                # it): a frozen weight, a mask kept as a parameter, a weight unused this step
+                if p.grad is not None:
+                    rec.add("optimizer", mcode, tcode, 0, pname, p, is_grad=False, parent=-1)
         if opt.param_groups:
             rec.pending.lr = current_lr(opt)
         if r.scaler is None and not r.manual_steps:

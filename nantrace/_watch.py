@@ -497,7 +497,10 @@ class Watch:
                 rec.active = True
                 last = self.param_flag.micro  # the step's last micro-step, where trace's optimizer rows are
                 for p, mcode, tcode, pname in r.params:
-                    rec.add("optimizer", mcode, tcode, 0, pname, p, is_grad=False, parent=-1, micro=last)
+                    if (
+                        p.grad is not None
+                    ):  # as trace records them (:func:`nantrace._scaler.attach_optimizer`)
+                        rec.add("optimizer", mcode, tcode, 0, pname, p, is_grad=False, parent=-1, micro=last)
                 if self.recorded == "watch":
                     self.recorded = "post_step"
         rec.pending.micro_steps = max(rec.pending.micro_steps, len(self.micro))
@@ -611,13 +614,15 @@ class Watch:
             return
         r = self.r
         ps = self.param_set = _Params.current(self.param_set, r.params)
-        if ps.floating:
-            paths, owners = _param_names(self.r, self.names, ps.floating, "")
+        # only parameters with a gradient: optimizer.step() updates no other (a frozen mask, an unused weight)
+        stepped = tuple(i for i in ps.floating if ps.tensors[i].grad is not None)
+        if stepped:
+            full = len(stepped) == len(ps.floating)
+            checked = ps.checked if full else [ps.checked[ps.floating.index(i)] for i in stepped]
+            paths, owners = _param_names(self.r, self.names, stepped, "")
             with torch.no_grad():
-                values = _norms(ps.checked, ps.plain)
-            self.param_flag = _Flag(
-                "optimizer", max(len(self.micro) - 1, 0), paths, values, owners, ps.checked
-            )
+                values = _norms(checked, ps.plain)
+            self.param_flag = _Flag("optimizer", max(len(self.micro) - 1, 0), paths, values, owners, checked)
         if opt.param_groups:
             r.rec.pending.lr = current_lr(opt)
         if r.scaler is None and not r.manual_steps:

@@ -22,7 +22,7 @@ INF_BIAS_SENTENCE = {
     ),
     "watch": (
         "its parameter `bias` (operand arg2) held +inf when the forward read it; its optimizer row of step 0 was "
-        "finite, and nantrace.watch's parameter check after optimizer.step() of step(s) 1 found every parameter "
+        "finite, and nantrace.watch's parameter check after optimizer.step() of step(s) 1 found every parameter it updated "
         "finite: it was written outside optimizer.step() (after the update of step 1, before this forward)."
     ),
 }
@@ -202,3 +202,65 @@ def test_weights_the_optimizer_left_as_the_forward_read_them_are_not_called_writ
     assert tr.first_overflow() is None
     rows = tr.records.query("phase == 'optimizer' and tensor == 'weight'")
     assert rows["absmax"].tolist() == [0.5, 0.5, 0.5, 0.5]
+
+
+class _CausalMix(nn.Module):
+    """``softmax(fc(x) + attn_mask)`` with the causal mask (0 on and below the diagonal, -inf above) kept as a
+    frozen parameter, then a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+        mask = torch.triu(torch.full((4, 4), -math.inf), 1)
+        self.attn_mask = nn.Parameter(mask, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.softmax(self.fc(x) + self.attn_mask, dim=-1))
+
+
+@pytest.mark.parametrize("mode", ["trace", "watch"])
+def test_a_frozen_mask_parameter_is_no_optimizer_fault(mode: str) -> None:
+    """optimizer.step() updates only parameters with a gradient: the frozen -inf mask gets no optimizer row,
+    and watch's post-step check leaves it out (both reported 'optimizer.step() made `attn_mask` -inf' at step 0,
+    found by the new-user check)."""
+
+    torch.manual_seed(0)
+    model = _CausalMix()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx = nantrace.trace if mode == "trace" else nantrace.watch
+    with ctx(model, optimizer=opt) as tr:
+        for _ in range(3):
+            loss = model(torch.ones(4, 4)).pow(2).sum()
+            tr.step(loss=loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert tr.first_overflow() is None
+    assert tr.diagnose().cause == "healthy"
+    opt_rows = tr.records[tr.records["phase"].astype(str) == "optimizer"]
+    assert "attn_mask" not in set(opt_rows["tensor"].astype(str))
+    if mode == "trace":
+        assert sorted(set(opt_rows["tensor"].astype(str))) == ["bias", "weight"] and len(opt_rows) == 12
+
+
+@pytest.mark.parametrize("mode", ["trace", "watch"])
+def test_a_nan_written_into_a_frozen_weight_is_named_as_the_weight(mode: str) -> None:
+    """A frozen Linear (fine-tuning the rest) whose weight is set to NaN before step 2: the forward computed NaN
+    from that weight, not 'an invalid operation: add eps' (found by the new-user check)."""
+
+    def edit(model: nn.Sequential, step: int) -> None:
+        if step == 0:
+            model[0].requires_grad_(False)
+        if step == 2:
+            with torch.no_grad():
+                model[0].weight[0, 0] = math.nan
+
+    tr = sgd_run(mode, 3, edit)
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase, ov.module, ov.kind) == (2, "forward", "0", "nan")
+    lines = str(ov).splitlines()
+    assert lines[0] == "step 2 forward: `0` (`linear`) computed NaN from its own non-finite weights (float32)"
+    assert lines[1].endswith(
+        "its parameter `weight` (operand arg1; frozen: requires_grad=False, so no optimizer.step() changes it) "
+        "held NaN when the forward read it."
+    )
