@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from . import _explain, _io, _readiness, _report, _repro, _tensorboard, _watched
+from . import _io, _readiness, _report, _repro, _tensorboard, _watched
 from ._errors import NantraceError
 from ._format import joined_records, segments_records, streamed_records
 from ._live import Live
@@ -271,7 +271,7 @@ class Trace:
             raise TypeError(
                 f"per_rank must be True or False; got {type(per_rank).__name__}: {per_rank!r:.80}"
             )
-        return _explain.overflows(self._view(), kind, per_rank=per_rank)
+        return _watched.overflows(self._view(), kind, per_rank=per_rank)
 
     def diagnose(self) -> Diagnosis:
         """Why the run went non-finite, and what to do: a :class:`nantrace.Diagnosis` whose ``cause`` is one of

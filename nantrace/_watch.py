@@ -69,6 +69,9 @@ class _Micro:
     autocast: list[tuple[str, bool, torch.dtype]]
     grad_enabled: bool
     site: str | None = None  # the user's line that made the root call (a replay's ops are named at it)
+    # the sum of the parameters' version counters at the forward: in-place writes only raise it, so a different
+    # sum at the replay means the weights were written since (a replay would not compute what this forward did)
+    weights: int = 0
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     backward_after: int = -1  # number of root forwards done when its output gradients arrived
     # the losses seen, and whether its output gradients had arrived by then (a loss given to ``tr.step`` after
@@ -443,7 +446,10 @@ class Watch:
         cols = self.r.store.step_rows.cols
         recorded = self.recorded
         note = self.sentinel.get(str(step))
-        if recorded == "replay" and note is not None and cols["n_nonfinite"][-1] > 0:
+        if recorded == "replay" and note is not None and _changed(note) and cols["n_nonfinite"][-1] > 0:
+            recorded = "not_reproduced"  # a replay on other inputs or weights computes something else
+            note["replay_unused"] = True
+        elif recorded == "replay" and note is not None and cols["n_nonfinite"][-1] > 0:
             later = _later_than_seen(self.r.store.chunks, step, note)
             if later is not None:  # the replay made values the sentinel never saw first
                 recorded = "not_reproduced"
@@ -538,6 +544,7 @@ class Watch:
                 autocast=_autocast_state(self.autocast_devices),
                 grad_enabled=torch.is_grad_enabled(),
                 site=user_line(),
+                weights=_weights_version(self.r.params),
             )
         )
         self._flag("data", items)
@@ -675,8 +682,13 @@ class Watch:
             )
             for m in self.micro
         ]
+        note = self.sentinel[str(r.rec.step)]
         if any(v != m.versions for v, m in zip(now, self.micro, strict=True)):
-            self.sentinel[str(r.rec.step)]["inputs_changed"] = True
+            note["inputs_changed"] = True
+        weights = _weights_version(r.params)
+        written = [k for k, m in enumerate(self.micro) if m.weights != weights]
+        if written:  # written in place after that forward (before optimizer.step(), which comes later)
+            note["weights_changed"] = written
         if issues_collectives(r.root):  # FSDP/DDP: a replay on this rank alone would wait for the others
             self.recorded = "not_replayed"
             return
@@ -694,6 +706,16 @@ class Watch:
         finally:
             self.replaying = False
             r.rec.active = False
+
+
+def _weights_version(params: list[tuple[nn.Parameter, int, int, str]]) -> int:
+    """The sum of the parameters' version counters (each in-place write raises one by at least 1)."""
+    return sum(p._version for p, _, _, _ in params)
+
+
+def _changed(note: dict[str, Any]) -> bool:
+    """The step's inputs or weights were written in place after one of its forwards, before the replay."""
+    return bool(note.get("inputs_changed") or note.get("weights_changed"))
 
 
 def _note_of(bad: tuple[_Flag, int, float], step: int, root_type: str) -> dict[str, Any]:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pandas as pd
+
 from . import _diagnose, _explain
 from ._diagnosis import DIVERGENCE_MIN_STEPS, Diagnosis
 from ._evidence import WEIGHTS_HELD, op_evidence
@@ -25,7 +27,7 @@ from ._overflow import Overflow
 from ._schema import wanted_kinds
 from ._view import RunView
 
-__all__ = ["diagnose", "first_overflow", "unreproduced"]
+__all__ = ["diagnose", "first_overflow", "overflows", "unreproduced"]
 
 # causes for which the divergence rule was tried and did not hold (data is decided before it; a collapse with
 # stale gradients by the stale rule, see _unjudged)
@@ -55,6 +57,32 @@ def _notes(view: RunView) -> dict[str, dict[str, Any]]:
     return dict(watch.get("sentinel") or {}) if isinstance(watch, dict) else {}
 
 
+def _written_what(note: dict[str, Any]) -> str:
+    both = note.get("inputs_changed") and note.get("weights_changed")
+    return (
+        "inputs and weights were" if both else "inputs were" if note.get("inputs_changed") else "weights were"
+    )
+
+
+def overflows(view: RunView, kind: str | None = None, *, per_rank: bool = False) -> pd.DataFrame:
+    """:func:`nantrace._explain.overflows`, with the row of each step whose replay did not reproduce the fault
+    replaced by what the sentinel saw there (:func:`unreproduced`): the replay's rows of such a step are not
+    its producer.
+
+    Raises:
+        ValueError: ``kind`` is not None, ``"inf"`` or ``"nan"``.
+    """
+    df = _explain.overflows(view, kind, per_rank=per_rank)
+    missed = unreproduced(view, kind)
+    if not missed:
+        return df
+    steps = {o.step for o in missed}
+    kept = df[~df["step"].isin(steps)] if len(df) else df
+    extra = pd.DataFrame([{**o.to_dict(), "message": o.message} for o in missed], columns=df.columns)
+    out = pd.concat([kept, extra.astype(df.dtypes.to_dict())] if len(kept) else [extra], ignore_index=True)
+    return out.sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
+
+
 def unreproduced(view: RunView, kind: str | None = None) -> list[Overflow]:
     """Per step whose replay recorded no non-finite value, where the sentinel saw one, as an
     :class:`Overflow` whose fields say where it was *detected* (not who produced it); step order."""
@@ -71,6 +99,13 @@ def unreproduced(view: RunView, kind: str | None = None) -> list[Overflow]:
             if note.get("inputs_changed")
             else ""
         )
+        if note.get("weights_changed"):
+            micro = ", ".join(str(k) for k in note["weights_changed"])
+            changed += (
+                f" The model's parameters had been written in place after the forward of micro-step(s) {micro} "
+                "(before the replay, which runs before optimizer.step()), so the replay could not compute what "
+                "that forward did."
+            )
         where = f"`{note['module']}`" if note["module"] else "the model"
         saw = (
             f"nantrace.watch saw {k} at step {note['step']} (micro-step {note['micro_step']}, {note['phase']}: "
@@ -82,6 +117,13 @@ def unreproduced(view: RunView, kind: str | None = None) -> list[Overflow]:
                 "backward issue collectives that the other ranks would never join, so its producer is unknown: "
                 "this is where the sentinel detected it. Trace that step with nantrace.trace() on every rank "
                 "to name the producer."
+            )
+        elif note.get("replay_unused"):
+            message = (
+                f"{saw}, but its {_written_what(note)} written in place after the forward, so the values its "
+                f"replay recorded are not this step's and are not used: its producer is unknown: this is where "
+                f"the sentinel detected it.{changed} Trace that step with nantrace.trace() to name the producer, "
+                "or write those tensors only after the step."
             )
         elif note.get("replay_first"):
             message = (

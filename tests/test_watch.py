@@ -454,6 +454,10 @@ def test_a_replay_whose_forward_stays_finite_does_not_blame_the_real_steps_loss(
     assert len(tr.records.query("step == 2 and phase == 'loss' and n_neginf > 0")) == 1  # the real loss, -inf
     ov = tr.first_overflow()
     assert _fields(ov) == (2, 0, "forward", "", "ThirdCallInf", 0, "output", "inf")
+    # overflows() shows the same, not the replay's loss row ("the model's outputs were finite")
+    rows = tr.overflows()
+    assert rows[["step", "phase", "tensor"]].values.tolist() == [[2, "forward", "output"]]
+    assert rows["message"].iloc[0] == ov.message
     assert "the replayed forward held none: the replay's first non-finite value was in the loss phase" in str(
         ov
     )
@@ -1339,3 +1343,72 @@ def test_watch_skips_sparse_tensors_and_replays_a_step_that_has_them(layout: str
         == answers[1]
         == (1, 0, "forward", "", "SparseMix", 0, "output[0]" if echo else "output", "inf")
     )
+
+
+def _written_in_place_run(what: str) -> Any:
+    """watch over four float32 steps of Linear(3, 2) (weight 0.5, bias 0), two micro-steps each, SGD at lr 0 via
+    a GradScaler. Step 2 is faulty: ``what="inputs"``: micro-step 0's input holds 3e38 and the loop zeroes it
+    in place after its backward (the real loss, a square of 4.5e38, is +inf); ``what="weights"``: the loop sets
+    the weight to +inf in place between micro-step 0 and 1 (micro-step 0 was finite)."""
+    model = nn.Sequential(nn.Linear(3, 2))
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)
+        model[0].bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+    with nantrace.watch(model, scaler=scaler, optimizer=opt, every=None) as tr:
+        for step in range(4):
+            for micro in range(2):
+                x = torch.ones(2, 3)
+                if step == 2 and micro == 0 and what == "inputs":
+                    x[0, 0] = 3e38
+                if step == 2 and micro == 1 and what == "weights":
+                    with torch.no_grad():
+                        model[0].weight[0, 0] = math.inf
+                loss = model(x).pow(2).sum()
+                scaler.scale(loss).backward()
+                if step == 2 and micro == 0 and what == "inputs":
+                    x.zero_()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            if step == 2 and what == "weights":
+                with torch.no_grad():
+                    model[0].weight[0, 0] = 0.5
+    return tr
+
+
+def test_a_step_whose_inputs_were_written_after_the_forward_is_not_reproduced() -> None:
+    """The replay ran on the zeroed input: what it recorded (a finite output, a loss from the real step) is not
+    this step's, so the step is not_reproduced and overflows() shows what the sentinel saw (it said the model's
+    outputs were finite, absmax 0.5, and blamed the loss; found by the new-user check)."""
+    tr = _written_in_place_run("inputs")
+    assert tr.steps["recorded"].tolist() == ["watch", "watch", "not_reproduced", "watch"]
+    ov = tr.first_overflow()
+    assert _fields(ov) == (2, 0, "loss", "", "loss", 0, "loss", "inf")
+    assert str(ov).startswith(
+        "nantrace.watch saw inf at step 2 (micro-step 0, loss: loss of the model), but its inputs were written in "
+        "place after the forward, so the values its replay recorded are not this step's and are not used"
+    )
+    rows = tr.overflows()
+    assert rows["step"].tolist() == [2] and rows["message"].iloc[0] == ov.message
+
+
+def test_weights_written_between_micro_steps_are_not_replayed_into_the_first() -> None:
+    """The weight set to inf between micro-step 0 and 1: a replay of both with the weights as they are now
+    would put the inf in micro-step 0, which was finite; the step is not_reproduced and named where the
+    sentinel saw it, micro-step 1 (found by the new-user check)."""
+    tr = _written_in_place_run("weights")
+    assert tr.steps["recorded"].tolist() == ["watch", "watch", "not_reproduced", "watch"]
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.micro_step, ov.phase, ov.tensor, ov.kind) == (
+        2,
+        1,
+        "forward",
+        "output",
+        "inf",
+    )
+    assert (
+        "The model's parameters had been written in place after the forward of micro-step(s) 0 (before the "
+        "replay, which runs before optimizer.step()), so the replay could not compute what that forward did."
+    ) in str(ov)
