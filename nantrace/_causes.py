@@ -435,7 +435,8 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     skips = skips_text(run)
     if skips:
         evidence.append(skips)
-    advice = range_advice(run, ev.module, dtype, ev)
+    # an op of the user's hook: fixing the hook is the advice (class_advice, below), not the module's range
+    advice = range_advice(run, ev.module, dtype, ev) if hook is None else []
     drift = data_growth_words(run, ev.step)
     if drift is not None:
         evidence.append(drift[0])

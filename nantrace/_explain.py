@@ -255,6 +255,12 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
     name, dmax, what = module_label(module), dtype_max(dtype), KIND_WORDS[ev.raw_kind]
     inputs = _forward_inputs(ev)
     in_absmax = num(finite_absmax(inputs))
+    # from finite inputs (input absmax 1.5); token ids are not recorded (no floating-point input, no absmax)
+    finite_in = (
+        f"finite inputs (input absmax {in_absmax})"
+        if len(inputs)
+        else "inputs with no recorded floating-point tensor (token ids, indices)"
+    )
     head, own_code = _forward_head(ev, oe.dtype if oe.op is not None else None, oe.hook)
     inputs_had_inf = _has(inputs, "posinf") or _has(inputs, "neginf")
     beyond = weights_beyond_event(view, Overflow(**f))[0]
@@ -273,7 +279,7 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
             else "Lower the learning rate, add weight decay or clip gradients so the weights stay"
         )
         return [
-            f"{head}, from finite inputs (input absmax {in_absmax}): its {beyond[0][1]} weights exceed {dtype}'s "
+            f"{head}, from {finite_in}: its {beyond[0][1]} weights exceed {dtype}'s "
             f"{num(dmax)} ({words}), so autocast's cast to {dtype} made them inf; {made}.",
             *facts,
             f"{fix} well below {num(dmax)}; or keep {name} in float32 (call it inside torch.autocast(..., "
@@ -281,7 +287,7 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
         ]
     if oe.what == WEIGHTS_HELD:  # it computed from its own weights, which already held the value
         return [
-            f"{head}, from finite inputs (input absmax {in_absmax}): {oe.because.replace('its own parameter', 'its parameter', 1)}.",
+            f"{head}, from {finite_in}: {oe.because.replace('its own parameter', 'its parameter', 1)}.",
             *facts[1:],  # the operand lines (the first names the op, said above)
             *class_advice(oe, module),
         ]
@@ -309,7 +315,7 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
     limit = f"{dtype} overflows above {num(dmax)} (torch.finfo(torch.{dtype}).max)"
     climb = _climb(_local(view), module, step)
     extra = class_advice(oe, module)  # a reduction's or a matmul's own fix, from its operands
-    if oe.op_class == "reduction":
+    if oe.op_class == "reduction" or oe.hook is not None:  # a hook's op: fixing the hook is the advice
         advice = extra
     elif dtype_max(dtype) >= dtype_max(
         "bfloat16"
@@ -325,7 +331,7 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
             "a .float() input; in a .half() model: .float() it and its input), rescale what feeds it, or use "
             "bfloat16."
         ]
-    if oe.op_class != "reduction":
+    if oe.op_class != "reduction" and oe.hook is None:
         advice = [*extra, *advice]
     ov = Overflow(**f)
     written = weights_written(view, ov, oe)
@@ -333,7 +339,7 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
     if written:
         advice.insert(0, written_advice(ov, written))
     return [
-        f"{head}, from finite inputs (input absmax {in_absmax}); {limit}.{climb}",
+        f"{head}, from {finite_in}; {limit}.{climb}",
         *facts,
         *lines,
         *advice,

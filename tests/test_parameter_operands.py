@@ -264,3 +264,34 @@ def test_a_nan_written_into_a_frozen_weight_is_named_as_the_weight(mode: str) ->
         "its parameter `weight` (operand arg1; frozen: requires_grad=False, so no optimizer.step() changes it) "
         "held NaN when the forward read it."
     )
+
+
+def test_an_embedding_row_set_to_inf_is_named_with_its_integer_inputs() -> None:
+    """An Embedding reads token ids (no floating-point input with an absmax; was "input absmax n/a") and its
+    own weight, whose row 2 the loop set to +inf before step 1."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(4, 3), nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nantrace.trace(model, optimizer=opt) as tr:
+        for step in range(2):
+            if step == 1:
+                with torch.no_grad():
+                    model[0].weight[2, 0] = math.inf
+            loss = model(torch.tensor([[1, 2]])).sum()
+            tr.step(loss=loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.module, ov.kind) == (1, "0", "inf")
+    lines = str(ov).splitlines()
+    assert (
+        lines[0]
+        == "step 1 forward: `0` (`embedding`) computed +inf from its own non-finite weights (float32)"
+    )
+    assert lines[1].endswith(
+        "from inputs with no recorded floating-point tensor (token ids, indices): its parameter `weight` (operand arg1) "
+        "held +inf when the "
+        "forward read it; its optimizer row of step 0 was finite: it was written outside optimizer.step() (after "
+        "the update of step 0, before this forward)."
+    )
