@@ -57,7 +57,13 @@ scale-dependent way (a backoff that the other rank only shared), and is ``receiv
 when the merged locator found that the reduction itself made the value (every rank's local gradients finite),
 it is ``backward_overflow`` (``invalid_op`` for NaN) with the local absmax and the reduction as evidence.
 
-A scale-dependent event belongs to a *run* of consecutive skipped steps. When a step of the run has
+A scale-dependent event belongs to a *run* of consecutive skipped steps. The run ends before its first event that
+does not depend on the loss scale (a ``data`` or ``forward`` event, a loss that is itself non-finite): a lower
+scale cannot make or remove that one, so the skips from it on are its own (a fault in its own right) and say
+nothing about the scale. The steps before it are judged as a run that did not end the trace: a collapse by
+their own steps (its evidence names the fault that followed; "the lowest scale tried" is over those steps), else
+a backoff, and the fault gets the diagnosis it gets on its own, with one more line of evidence naming the
+backoff before it in its run of skips (the steps, producers and loss scales). When a step of the run has
 ``steps.stale_grads > 0`` (a parameter's ``.grad`` already held inf/NaN before that step's backward added to it:
 the loop does not reset the gradients), it is ``loss_scale_collapse`` naming the stale ``.grad`` and
 ``zero_grad()``, however short the run. The run is a *collapse* when it is at
@@ -119,6 +125,7 @@ from ._diagnosis import COLLAPSE_RUN, QUIET_DIVERGENCE_GROWTH, QUIET_DIVERGENCE_
 from ._evidence import WEIGHTS_HELD, headline, op_evidence
 from ._explain import first_overflow, overflows
 from ._facts import DivergenceFacts, Facts, divergence, fast_updates, overflow_from_row
+from ._fmt import num, steps_text
 from ._overflow import Overflow
 from ._view import RunView
 
@@ -185,15 +192,19 @@ def _fault(run: Facts, ev: Overflow) -> Diagnosis:
     return rule.build(run, ev)
 
 
-def _judge_skip_run(run: Facts, skip_run: list[int], in_run: list[Overflow]) -> Diagnosis | None:
+def _judge_skip_run(
+    run: Facts, skip_run: list[int], in_run: list[Overflow], fault: Overflow | None = None
+) -> Diagnosis | None:
     """A run of skipped steps whose events a lower scale could remove: ``None`` when it is a benign backoff,
-    else the diagnosis (collapse, divergence, or invalid_op for NaN that persists)."""
+    else the diagnosis (collapse, divergence, or invalid_op for NaN that persists). ``fault``: the
+    scale-independent event the skips went on with (``skip_run`` then holds only the steps before it)."""
     if in_run and run.stale_steps(skip_run):
         return sc.stale(run, in_run, skip_run)  # the loop keeps an old inf in .grad: never a backoff
     collapse = run.is_collapse(skip_run)
     if collapse and _a_later_run_collapses(run, skip_run):
         return None  # short itself, a collapse only by what follows: the later run is the one to describe
-    resumed = run.resumed_after(skip_run[-1])
+    # a run cut by a fault did not end the trace: it is a collapse by its own steps, else a backoff
+    resumed = fault is not None or run.resumed_after(skip_run[-1])
     if not (collapse or not resumed) or not in_run:
         return None
     nans = [e for e in in_run if e.kind == "nan"]
@@ -201,11 +212,58 @@ def _judge_skip_run(run: Facts, skip_run: list[int], in_run: list[Overflow]) -> 
         return c.invalid_op(run, nans[0])
     if not collapse and sc.loss_beyond_dtype(run, skip_run, in_run[-1]) is None:
         return None  # short and at the end of the trace: a backoff still in progress
-    dependent = [e for e in run.events if run.scale_dependent(e)]
+    until = math.inf if fault is None else fault.step
+    dependent = [e for e in run.events if run.scale_dependent(e) and e.step < until]
     div = divergence(run, dependent[-1].step + 1, None)
     if div.found:
         return c.divergence_diagnosis(run, _led_to(dependent, div), div)
-    return sc.collapse(run, in_run[-1], skip_run)
+    return sc.collapse(run, in_run[-1], skip_run, then=fault)
+
+
+def _until_fault(run: Facts, step: int) -> tuple[list[int], Overflow | None]:
+    """The run of skipped steps around the scale-dependent event of ``step``, cut before the first event of it
+    that does not depend on the loss scale (a data or forward value, a loss that is itself non-finite), and
+    that event (``None`` when there is none). A loss scale cannot make such an event, so the skips from it on
+    say nothing about the scale: the steps before it are judged on their own."""
+    skip_run = run.skip_run(step)
+    fault = next(
+        (e for e in run.events if step < e.step <= skip_run[-1] and not run.scale_dependent(e)),
+        None,
+    )
+    return ([s for s in skip_run if s < fault.step] if fault is not None else skip_run), fault
+
+
+def _backoff_before(run: Facts, benign: list[Overflow], ev: Overflow) -> str | None:
+    """Evidence for a fault ``ev`` inside a run of skipped steps: the scale-dependent skips of that run before
+    it were a GradScaler backoff (their producers and true loss scales), not what this diagnosis names."""
+    first = run.skip_run(ev.step)[0]
+    before = [b for b in benign if first <= b.step < ev.step]
+    if not before:
+        return None
+    steps = [b.step for b in before]
+    groups: dict[tuple[str, str], list[int]] = {}
+    for b in before:
+        groups.setdefault((c.producer_text(b), b.kind), []).append(b.step)
+    parts = []
+    for (producer, kind), at in groups.items():
+        lo, hi = num(run.scale.get(at[0], math.nan)), num(run.scale.get(at[-1], math.nan))
+        scales = f"loss scale {lo}" if len(at) == 1 else f"loss scales {lo} → {hi}"
+        parts.append(
+            f"at step{'s' if len(at) > 1 else ''} {steps_text(at)} {producer} overflowed ({kind}) at {scales}"
+        )
+    what = "; ".join(parts)
+    lowered = run.scale.get(ev.step, math.nan)
+    to = "" if math.isnan(lowered) else f", and the scale was lowered to {num(lowered)} by step {ev.step}"
+    independent = {
+        "data": "the model's inputs do",
+        "forward": "a forward value does",
+        "loss": "the loss does",
+    }
+    return (
+        f"step{'s' if len(steps) > 1 else ''} {steps_text(steps)} {'were' if len(steps) > 1 else 'was'} a "
+        f"GradScaler backoff, not this fault: {what}; the GradScaler skipped the step{'s' if len(steps) > 1 else ''}"
+        f"{to} ({independent.get(ev.phase, 'this value does')} not depend on the loss scale)"
+    )
 
 
 def _a_later_run_collapses(run: Facts, skip_run: list[int]) -> bool:
@@ -306,12 +364,12 @@ def _diagnose(view: RunView, merged: list[Overflow] | None = None) -> Diagnosis:
         if verdict is not None:
             return verdict
         if not dependent[i]:
-            return _fault(run, ev)
-        skip_run = run.skip_run(ev.step)
+            return _with_backoff(run, _fault(run, ev), benign, ev)
+        skip_run, fault = _until_fault(run, ev.step)
         if skip_run[0] not in judged:
             lo, hi = skip_run[0], skip_run[-1]
             in_run = [e for e, d in zip(run.events, dependent, strict=True) if d and lo <= e.step <= hi]
-            judged[lo] = _judge_skip_run(run, skip_run, in_run)
+            judged[lo] = _judge_skip_run(run, skip_run, in_run, fault)
         verdict = judged[skip_run[0]]
         if verdict is not None:
             return verdict
@@ -320,6 +378,12 @@ def _diagnose(view: RunView, merged: list[Overflow] | None = None) -> Diagnosis:
             return sc.recurring(run, [*again, ev])
         benign.append(ev)
     return _without_fault(run, benign, world_size)
+
+
+def _with_backoff(run: Facts, d: Diagnosis, benign: list[Overflow], ev: Overflow) -> Diagnosis:
+    """``d`` (the diagnosis of fault ``ev``) with the backoff of its own run of skips before it, when any."""
+    line = _backoff_before(run, benign, ev)
+    return d if line is None else replace(d, evidence=[*d.evidence, line])
 
 
 def _without_fault(run: Facts, benign: list[Overflow], world_size: int | None) -> Diagnosis:

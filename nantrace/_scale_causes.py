@@ -86,8 +86,10 @@ def _lowest_scale_advice(run: Facts, ev: Overflow, gout: pd.DataFrame, at: float
     )
 
 
-def collapse(run: Facts, ev: Overflow | None, skip_run: list[int]) -> Diagnosis:
-    """``ev``: the run's last scale-dependent event, the one that still overflowed at the lowest scale."""
+def collapse(run: Facts, ev: Overflow | None, skip_run: list[int], then: Overflow | None = None) -> Diagnosis:
+    """``ev``: the run's last scale-dependent event, the one that still overflowed at the lowest scale.
+    ``then``: the event that does not depend on the loss scale which the skips went on with (``skip_run`` holds
+    the steps before it)."""
     first, last = run.scale_range(skip_run)
     below = not math.isnan(last) and last < 1
     evidence = [
@@ -111,8 +113,15 @@ def collapse(run: Facts, ev: Overflow | None, skip_run: list[int]) -> Diagnosis:
         )
         at = run.scale.get(ev.step, math.nan)
         gout = run.rows_of(ev.step, ("backward", "loss"), module=ev.module, prefix="grad_output")
+        tried = [v for v in (run.scale.get(s, math.nan) for s in skip_run) if not math.isnan(v)]
+        before = "" if then is None else f" before step {then.step}"
+        lowest = (  # "lowest" only when it is the minimum of the run's recorded scales
+            f"the lowest scale tried{before} ({num(at)}, step {ev.step})"
+            if not tried or not at > min(tried)
+            else f"the last recorded overflow{before} (loss scale {num(at)}, step {ev.step})"
+        )
         evidence.append(
-            f"at the lowest scale tried ({num(at)}, step {ev.step}) {producer_text(ev)} still overflowed "
+            f"at {lowest} {producer_text(ev)} still overflowed "
             f"({ev.kind}, computed in {compute_dtype(run, ev)})"
             + (
                 f"; its incoming gradient absmax was {num(finite_absmax(gout))}"
@@ -122,6 +131,12 @@ def collapse(run: Facts, ev: Overflow | None, skip_run: list[int]) -> Diagnosis:
         )
         text, range_fault = _lowest_scale_advice(run, ev, gout, at)
         advice.append(text)
+    if then is not None:
+        evidence.append(
+            f"from step {then.step} the skips went on with a {then.phase} {then.kind} (`{then.tensor}` of "
+            f"{module_label(then.module)}), which does not depend on the loss scale: a separate fault, not part "
+            "of this collapse"
+        )
     big = loss_beyond_dtype(run, skip_run, ev) if ev is not None else None
     if big is not None:
         lv, dtype = big

@@ -441,26 +441,9 @@ class Watch:
             self._begin(step + 1)
 
     def _mark(self, step: int) -> None:
-        """Write how ``step`` was recorded into its ``steps`` row; a replay that recorded no non-finite value
-        did not reproduce the fault, unless :func:`_explained` says what it was."""
+        """Write how ``step`` was recorded into its ``steps`` row (:func:`_recorded_as`)."""
         cols = self.r.store.step_rows.cols
-        recorded = self.recorded
-        note = self.sentinel.get(str(step))
-        if recorded == "replay" and note is not None and _changed(note) and cols["n_nonfinite"][-1] > 0:
-            recorded = "not_reproduced"  # a replay on other inputs or weights computes something else
-            note["replay_unused"] = True
-        elif recorded == "replay" and note is not None and cols["n_nonfinite"][-1] > 0:
-            later = _later_than_seen(self.r.store.chunks, step, note)
-            if later is not None:  # the replay made values the sentinel never saw first
-                recorded = "not_reproduced"
-                note["replay_first"] = later
-        elif recorded in ("replay", "post_step") and cols["n_nonfinite"][-1] == 0:
-            if note is not None and note.get("value") == "-inf" and cols["n_records"][-1] > 0:
-                del self.sentinel[
-                    str(step)
-                ]  # the replay recorded the -inf, and the mask rule judged it a mask
-            elif not _explained(note, cols["stale_grads"][-1]):
-                recorded = "not_reproduced"
+        recorded = _recorded_as(self.recorded, self.sentinel, step, cols, self.r.store.chunks)
         cols["recorded"][-1] = float(RECORDED.index(recorded))
         if str(step) in self.sentinel:
             self.sentinel[str(step)]["recorded"] = recorded
@@ -706,6 +689,31 @@ class Watch:
         finally:
             self.replaying = False
             r.rec.active = False
+
+
+def _recorded_as(
+    recorded: str, sentinel: dict[str, dict[str, Any]], step: int, cols: dict[str, Any], chunks: Any
+) -> str:
+    """How ``step`` was recorded, from how it was meant to be (``recorded``) and what its replay recorded (the
+    step row's ``cols``): a replay whose inputs or weights were written in place after a forward, or that
+    recorded no non-finite value (unless :func:`_explained` says what it was), or whose first one came later
+    than what the sentinel saw, did not reproduce the fault. A replayed -inf the mask rule judged a mask drops
+    the step's note."""
+    note = sentinel.get(str(step))
+    if recorded == "replay" and note is not None and _changed(note) and cols["n_nonfinite"][-1] > 0:
+        note["replay_unused"] = True  # a replay on other inputs or weights computes something else
+        return "not_reproduced"
+    if recorded == "replay" and note is not None and cols["n_nonfinite"][-1] > 0:
+        later = _later_than_seen(chunks, step, note)
+        if later is not None:  # the replay made values the sentinel never saw first
+            note["replay_first"] = later
+            return "not_reproduced"
+    elif recorded in ("replay", "post_step") and cols["n_nonfinite"][-1] == 0:
+        if note is not None and note.get("value") == "-inf" and cols["n_records"][-1] > 0:
+            del sentinel[str(step)]  # the replay recorded the -inf, and the mask rule judged it a mask
+        elif not _explained(note, cols["stale_grads"][-1]):
+            return "not_reproduced"
+    return recorded
 
 
 def _weights_version(params: list[tuple[nn.Parameter, int, int, str]]) -> int:
