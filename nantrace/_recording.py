@@ -112,6 +112,17 @@ def _check_objects(model: Any, scaler: Any, optimizer: Any) -> None:
             f"optimizer must be a torch.optim.Optimizer (or None); got {_got(optimizer, torch.optim.Optimizer)}. "
             "Pass the optimizer object your loop calls step() on (e.g. opt = torch.optim.AdamW(model.parameters()))."
         )
+    if optimizer is not None:
+        held = [p for g in optimizer.param_groups for p in g.get("params", [])]
+        mine = {id(p) for p in model.parameters()}
+        if held and not any(id(p) in mine for p in held):
+            warnings.warn(
+                f"nantrace: the optimizer ({type(optimizer).__name__}) holds none of the traced "
+                f"{type(model).__name__}'s parameters, so its step() updates another model: the `optimizer` "
+                "rows, lr and step boundaries are this optimizer's. Pass the optimizer that steps this model "
+                "(e.g. torch.optim.AdamW(model.parameters())).",
+                stacklevel=_user_stacklevel(),
+            )
 
 
 class Recording:

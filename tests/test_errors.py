@@ -4,6 +4,7 @@ what to do, and leaves the model untouched when it refuses."""
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import pytest
@@ -309,3 +310,26 @@ def test_overflows_per_rank_must_be_a_bool() -> None:
     with trace(m) as tr:
         m(torch.ones(1, 2))
     check(TypeError, lambda: tr.overflows(per_rank="x"), names="per_rank", hints=("True or False",))
+
+
+def test_an_optimizer_of_another_model_gets_a_warning_naming_the_fix() -> None:
+    """trace(model, optimizer=opt) where opt holds none of model's parameters: its step() updates another
+    model, so the warning says which optimizer to pass (found by the new-user check: no error, no warning)."""
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    opt = torch.optim.SGD(b.parameters(), lr=0.1)
+    with pytest.warns(UserWarning) as got, nantrace.trace(a, optimizer=opt):
+        pass
+    texts = [str(w.message) for w in got if "holds none" in str(w.message)]
+    assert texts == [
+        "nantrace: the optimizer (SGD) holds none of the traced Linear's parameters, so its step() updates another "
+        "model: the `optimizer` rows, lr and step boundaries are this optimizer's. Pass the optimizer that steps "
+        "this model (e.g. torch.optim.AdamW(model.parameters()))."
+    ]
+    assert got[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*holds none.*")
+        with nantrace.trace(b, optimizer=opt) as tr:  # its own optimizer: no such warning
+            loss = b(torch.ones(1, 2)).sum()
+            tr.step(loss=loss)
+            loss.backward()
+            opt.step()
