@@ -168,8 +168,8 @@ class FirstNonfinite(TorchFunctionMode):
     """Replays a forward and stops at the first torch op that *produced* a kind not in ``known`` (the module
     call's input kinds): one of its outputs holds it and none of its inputs did, a non-finite scalar argument
     counting as an input (:func:`nantrace._stats.op_input_kinds`, the rule of :func:`nantrace.hunt`), or one of
-    its operands is a parameter of the module (``owned``) that already held it: any non-finite kind of a
-    trainable one; NaN or +inf of a frozen one (``requires_grad=False``), whose -inf may be a mask (a weight made non-finite before the forward: the
+    its operands is a parameter of the module (``owned``) that already held it: NaN or +inf (a parameter's -inf
+    may be a mask kept as a parameter) (a weight made non-finite before the forward: the
     call made the kind from finite inputs, and this op is the first to pass it on).
     ``found`` is ``(op name, kind, position, source line)``; of several new kinds, inf is named before NaN.
     ``made``: notes every floating value an op returned (:class:`Made`)."""
@@ -211,10 +211,8 @@ class FirstNonfinite(TorchFunctionMode):
         # into the weight before this forward (NaN from a NaN weight is no new kind of the op, yet the call made it)
         held: frozenset[str] = frozenset()
         for t in tensors:
-            role = self.owned.get(id(t), ("",))[0]
-            if role == "param":
-                held |= tensor_kinds(t)
-            elif role == "frozen":  # a frozen one may be a mask of 0 and -inf: only NaN and +inf count
+            # a parameter's -inf may be a mask kept as a parameter (trainable or frozen): only NaN and +inf count
+            if self.owned.get(id(t), ("",))[0] in ("param", "frozen"):
                 held |= tensor_kinds(t) - {"neginf"}
         held = either_sign(held) - self.known if held else held
         for _, t in flatten(out, "out"):

@@ -989,7 +989,8 @@ def op_evidence(view: RunView, ov: Overflow) -> OpEvidence | None:
         kind = str(row["kind"])
         ops, vanished, recorded, result_dtype, hook = _operands(row.get("operands"), ov.module)
         dtype = _op_dtype(str(row["op"]), ops, dtype, result_dtype)
-        held = [o for o in ops if (o.param and o.nonfinite) or (o.frozen and (o.n_nan or o.n_posinf))]
+        # a parameter already holding NaN or +inf (its -inf may be a mask kept as a parameter)
+        held = [o for o in ops if (o.param or o.frozen) and (o.n_nan or o.n_posinf)]
         if beyond and str(row["op"]) != CAST_OP:
             cls, because, what = _classify_call(view, ov, kind, beyond)
         elif held and ov.phase == "forward":  # it computed from its own weights: nothing in the call made it

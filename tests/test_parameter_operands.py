@@ -116,22 +116,25 @@ def test_a_buffer_operand_is_named_and_keeps_its_class() -> None:
     assert tr.diagnose().cause == "invalid_op"
 
 
-class _FrozenMask(nn.Module):
-    """``softmax(x + mask)`` with the additive mask kept as a frozen parameter; its second row is all -inf."""
+class _MaskParam(nn.Module):
+    """``softmax(x + mask)`` with the additive mask kept as a parameter (frozen or not, as user code does); its
+    second row is all -inf."""
 
-    def __init__(self) -> None:
+    def __init__(self, trainable: bool) -> None:
         super().__init__()
         m = torch.tensor([[0.0, -math.inf], [-math.inf, -math.inf]])
-        self.mask = nn.Parameter(m, requires_grad=False)
+        self.mask = nn.Parameter(m, requires_grad=trainable)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.softmax(x + self.mask, dim=-1)
 
 
-def test_a_frozen_parameter_holding_a_mask_is_not_taken_for_a_non_finite_weight() -> None:
-    """A parameter that requires no grad may be a mask: its -inf is read as before (the fully masked row's
-    softmax is the producer), not as weights written non-finite."""
-    model = nn.Sequential(_FrozenMask())
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+def test_a_parameter_holding_a_mask_is_not_taken_for_a_non_finite_weight(trainable: bool) -> None:
+    """A parameter's -inf may be a mask (``nn.Parameter(mask)`` requires grad unless told not to): it is read
+    as before (the fully masked row's softmax is the producer), not as weights written non-finite; only NaN and
+    +inf in a parameter count as that."""
+    model = nn.Sequential(_MaskParam(trainable))
     with nantrace.trace(model) as tr:
         model(torch.ones(2, 2))
     ov = tr.first_overflow()
