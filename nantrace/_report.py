@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import math
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -213,7 +214,7 @@ def print_report(tr: Any, path: Path | None, file: TextIO | None = None) -> Any:
             f"{ov.kind}{got}",
             file=out,
         )
-        print(f"  {ov}", file=out)
+        print(textwrap.indent(str(ov), "  "), file=out)  # every line of the explanation under the heading
         ovs = tr.overflows()
         if len(ovs) > 1:
             print(f"\nsteps with a non-finite value ({len(ovs)}), by first producer:", file=out)

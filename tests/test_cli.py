@@ -26,6 +26,11 @@ def test_report_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert cli.main(["report", str(_saved(tmp_path, True))]) == cli.EXIT_OVERFLOW
     out = capsys.readouterr().out
     assert "first overflow: step 0, forward, module `0` (Linear), inf" in out
+    lines = out.splitlines()
+    start = lines.index("first overflow: step 0, forward, module `0` (Linear), inf") + 1
+    body = lines[start : lines.index("", start)]
+    # every line of the explanation sits under its heading (only the first was indented)
+    assert len(body) > 2 and all(line.startswith("  ") for line in body)
     assert "nantrace diagnosis: forward_overflow" in out
     assert cli.main(["report", str(_saved(tmp_path, False))]) == cli.EXIT_OK
     assert "first overflow: none" in capsys.readouterr().out
