@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._opfacts import named_operands, note_vanished, operand_facts
 from ._stats import describable, either_sign, op_input_kinds, tensor_kinds
-from ._tree import clone_tree, flatten, plain_state, restore_plain
+from ._tree import clone_tree, flatten, host_rngs_kept, plain_state, restore_plain
 
 __all__ = [
     "CAST_OP",
@@ -399,7 +399,7 @@ def replay_call(
     owned: dict[int, tuple[str, str]] | None = None,
 ) -> Any:
     """Run ``module`` on copies of ``args``/``kwargs`` and of its buffers (``torch.func.functional_call``) under
-    ``modes``, with autograd off, the CPU RNG state forked and the plain Python attributes of its submodules
+    ``modes``, with autograd off, the CPU RNG state forked (Python's and NumPy's too) and the plain Python attributes of its submodules
     set back afterwards (:func:`nantrace._tree.restore_plain`: a call counter is not moved on by the replay); the call's output, or None when a mode stopped
     it or it raised (best effort: a replay never raises). In a process group of several ranks a call that may
     issue a collective is not replayed (:func:`issues_collectives`, :class:`NoCollectives`): the other ranks
@@ -422,7 +422,7 @@ def replay_call(
             owned[id(t)] = ("buffer" if p is None else "param" if p.requires_grad else "frozen", n)
     attributes = plain_state(module)  # a forward that counts its calls must not count the replay
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        with torch.random.fork_rng(devices=[]), host_rngs_kept(), torch.no_grad():
             args_c, kwargs_c = clone_tree(args, strict=True), clone_tree(kwargs, strict=True)
             with ExitStack() as stack:
                 for m in modes:

@@ -1,19 +1,33 @@
-"""Nested containers of tensors: flattening them into named paths, and copying them; a module tree's plain Python
-attributes, saved and restored (a leaf module)."""
+"""Nested containers of tensors: flattening them into named paths, and copying them; what a replayed forward may
+change besides tensors, saved and restored: a module tree's plain Python attributes, Python's and NumPy's RNG
+states (a leaf module)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import enum
 import functools
+import random
 import types
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["MAX_DEPTH", "clone_tree", "flatten", "flatten_list", "plain_state", "restore_plain"]
+__all__ = [
+    "MAX_DEPTH",
+    "clone_tree",
+    "flatten",
+    "flatten_list",
+    "host_rng_states",
+    "host_rngs_kept",
+    "plain_state",
+    "restore_plain",
+    "set_host_rng_states",
+]
 
 MAX_DEPTH = 6
 
@@ -47,6 +61,29 @@ def plain_state(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
         if own:
             out[name] = own
     return out
+
+
+@contextlib.contextmanager
+def host_rngs_kept() -> Iterator[None]:
+    """Save Python's ``random`` state and NumPy's global RNG state, and set them back on exit: a replayed
+    forward that draws from them (``random.random()``, ``np.random.rand()``) leaves the user's streams where the
+    real run had them (torch's own RNG is forked by the caller)."""
+    py, npy = random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+
+
+def host_rng_states() -> tuple[Any, Any]:
+    """Python's ``random`` state and NumPy's global RNG state, as :func:`set_host_rng_states` takes them."""
+    return random.getstate(), np.random.get_state()
+
+
+def set_host_rng_states(states: tuple[Any, Any]) -> None:
+    random.setstate(states[0])
+    np.random.set_state(states[1])
 
 
 def restore_plain(module: torch.nn.Module, saved: dict[str, dict[str, Any]]) -> None:

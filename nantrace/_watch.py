@@ -47,7 +47,7 @@ from ._hooks import eager, in_backward
 from ._naming import is_sharded
 from ._scaler import current_lr, nested_step
 from ._schema import PHASE_CODE, PHASES, RECORDED
-from ._tree import flatten, plain_state, restore_plain
+from ._tree import flatten, host_rng_states, plain_state, restore_plain, set_host_rng_states
 
 if TYPE_CHECKING:
     from ._recording import Recording
@@ -66,6 +66,7 @@ class _Micro:
     versions: tuple[int, ...]
     rng: torch.Tensor
     accel_rng: list[torch.Tensor] | None
+    host_rng: tuple[Any, Any]  # Python's and NumPy's RNG states at the forward (a forward may draw from them)
     autocast: list[tuple[str, bool, torch.dtype]]
     grad_enabled: bool
     site: str | None = None  # the user's line that made the root call (a replay's ops are named at it)
@@ -267,13 +268,15 @@ def _found_inf(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
 
 @contextlib.contextmanager
 def _restored(model: nn.Module, params: list[nn.Parameter]) -> Iterator[None]:
-    """Save ``.grad`` of ``params`` (set to None inside), the buffers of ``model``, the RNG states and the plain
+    """Save ``.grad`` of ``params`` (set to None inside), the buffers of ``model``, the RNG states (torch's,
+    Python's ``random``, NumPy's global) and the plain
     Python attributes of its modules (:func:`nantrace._tree.plain_state`: a call counter); restore them on
     exit."""
     grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     attributes = plain_state(model)
     cpu = torch.get_rng_state()
+    host = host_rng_states()
     accel = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     for p in params:
         p.grad = None
@@ -286,6 +289,7 @@ def _restored(model: nn.Module, params: list[nn.Parameter]) -> Iterator[None]:
             for b, saved in buffers:
                 b.copy_(saved)
         torch.set_rng_state(cpu)
+        set_host_rng_states(host)
         if accel is not None:
             torch.cuda.set_rng_state_all(accel)
         restore_plain(model, attributes)
@@ -523,6 +527,7 @@ class Watch:
                 kwargs=_detach(kwargs),
                 versions=tuple(t._version for _, t in items if not t.is_inference()),
                 rng=torch.get_rng_state(),
+                host_rng=host_rng_states(),
                 accel_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
                 autocast=_autocast_state(self.autocast_devices),
                 grad_enabled=torch.is_grad_enabled(),
@@ -833,6 +838,7 @@ def _replay_micro_steps(r: Recording, micros: list[_Micro]) -> None:
     outputs: dict[int, Any] = {}
     for k, m in enumerate(micros):
         torch.set_rng_state(m.rng)
+        set_host_rng_states(m.host_rng)
         if m.accel_rng is not None:
             torch.cuda.set_rng_state_all(m.accel_rng)
         with contextlib.ExitStack() as stack:

@@ -10,14 +10,18 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import math
 import os
+import random
 import time
+import types
 import warnings
 import weakref
 from collections import OrderedDict, namedtuple
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -1272,3 +1276,49 @@ def test_an_optimizer_subclass_calling_super_step_is_one_step(make: Any) -> None
     assert tr.steps["step"].tolist() == [0, 1, 2]
     rows = tr.records.query("phase == 'optimizer'")
     assert rows.groupby("step").size().tolist() == [2, 2, 2]  # weight and bias once per step
+
+
+class HostRandom(nn.Module):
+    """Scales its hidden values by draws from Python's ``random`` and NumPy's global RNG; ``bad`` multiplies
+    them by 1e39 (past float32's max): a faulty step that the drill-down (trace) and the replay (watch) run
+    again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.bad = nn.Linear(4, 4), nn.Linear(4, 1), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x) * (1.0 + random.random()) * (1.0 + float(np.random.rand()))
+        return self.fc2(h * 1e39 if self.bad else h)
+
+
+@pytest.mark.parametrize("mode", ["none", "trace", "watch"])
+def test_replays_leave_python_and_numpy_random_streams_where_the_run_had_them(mode: str) -> None:
+    """The losses after a replayed faulty step are the untraced run's: a forward drawing from ``random`` or
+    NumPy drew a second time in each replay, and every later step differed (found by the new-user check)."""
+
+    def run(make: Any) -> list[float]:
+        torch.manual_seed(0)
+        random.seed(0)
+        np.random.seed(0)
+        m = HostRandom()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        losses = []
+        with make(m, optimizer=opt) as tr:
+            for step in range(4):
+                m.bad = step == 1
+                loss = m(torch.ones(2, 4)).pow(2).mean()
+                tr.step(loss=loss)
+                losses.append(loss.item())
+                if step != 1:
+                    loss.backward()
+                    opt.step()
+                opt.zero_grad()
+        return losses
+
+    untraced = run(lambda m, **kw: contextlib.nullcontext(types.SimpleNamespace(step=lambda loss: None)))
+    if mode == "none":
+        assert not math.isfinite(untraced[1]) and all(math.isfinite(v) for v in untraced[::2])
+        return
+    got = run(nantrace.trace if mode == "trace" else nantrace.watch)
+    assert got[0] == untraced[0] and got[2:] == untraced[2:]
