@@ -43,6 +43,7 @@ __all__ = [
     "as_float",
     "data_growth",
     "data_growth_words",
+    "data_jump",
     "divergence",
     "fast_updates",
     "overflow_from_row",
@@ -421,14 +422,46 @@ def data_growth(run: Facts, step: int) -> Trend | None:
     trailing :data:`DIVERGENCE_WINDOW` recorded steps grew at least :data:`DIVERGENCE_GROWTH` times, rising in
     at least :data:`DIVERGENCE_RISING` of the changes, over at least :data:`DIVERGENCE_MIN_STEPS` steps (the
     thresholds activations are held to); None otherwise."""
-    t = trend(run.data_series(step))
+    series = run.data_series(step)
+    t = trend(series)
     if t.n < DIVERGENCE_MIN_STEPS or not (t.growth >= DIVERGENCE_GROWTH and t.rising >= DIVERGENCE_RISING):
         return None
+    if data_jump(series) is not None:
+        return None  # one step made it: a batch out of range, not inputs growing step after step
     return t
 
 
+def data_jump(
+    series: pd.Series, window: int = DIVERGENCE_WINDOW
+) -> tuple[int, float, float, tuple[int, int], float] | None:
+    """``(step, factor, spread, (first, last) step of the spread, value before)`` when the last value of
+    ``series`` (the inputs' per-step absmax) is at least
+    :data:`DIVERGENCE_GROWTH` times the one before and that one step's factor exceeds the whole spread (max /
+    min) of the trailing values before it: one batch out of range, not a climb. None otherwise."""
+    s = series[np.isfinite(series.to_numpy(dtype=np.float64))].tail(window)
+    v = s.to_numpy(dtype=np.float64)
+    if len(v) < 3 or v[-2] <= 0 or v[:-1].min() <= 0:
+        return None
+    factor, spread = v[-1] / v[-2], v[:-1].max() / v[:-1].min()
+    if factor < DIVERGENCE_GROWTH or factor <= spread:
+        return None
+    return int(s.index[-1]), float(factor), float(spread), (int(s.index[0]), int(s.index[-2])), float(v[-2])
+
+
 def data_growth_words(run: Facts, step: int) -> tuple[str, str] | None:
-    """``(evidence, advice)`` when the model's inputs grew up to ``step`` (:func:`data_growth`), else None."""
+    """``(evidence, advice)`` when the model's inputs grew up to ``step`` (:func:`data_growth`), or jumped at
+    its last recorded step (:func:`data_jump`), else None."""
+    series = run.data_series(step)
+    jump = data_jump(series)
+    if jump is not None and trend(series).n >= DIVERGENCE_MIN_STEPS:
+        at, factor, spread, (first, last), prev = jump
+        return (
+            f"the model's inputs (phase data) jumped ×{num(factor)} at step {at} (absmax {num(prev)} → "
+            f"{num(prev * factor)}), after staying within ×{num(spread)} over steps {first}–{last}: one batch "
+            "out of range, not inputs growing",
+            f"Check the batch of step {at}: its inputs' absmax is ×{num(factor)} the step before's (a corrupt or "
+            "unnormalised sample); validate or clip inputs where they are loaded.",
+        )
     t = data_growth(run, step)
     if t is None:
         return None

@@ -83,3 +83,47 @@ def test_a_climb_says_when_one_step_made_most_of_it(absmax: list[float], expecte
         for s, a in enumerate(absmax)
     ]
     assert _climb(records_frame(rows), "0", len(absmax) - 1) == expected
+
+
+def _input_run(scales: list[float]) -> nantrace.Trace:
+    """float16-autocast steps of Linear(4, 1) (weight 1, bias 0, SGD at lr 0) on inputs ``scale`` · 1: the output is
+    4 · scale, beyond float16's 65504 above 16376."""
+    model = nn.Sequential(nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[0].bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nantrace.trace(model, optimizer=opt) as tr:
+        for scale in scales:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.full((2, 4), scale)).float().mean()
+            tr.step(loss=loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return tr
+
+
+def test_one_batch_out_of_range_is_a_jump_not_inputs_growing() -> None:
+    """Inputs within ×1.5 over steps 0–6, then ×1e5 at step 7: one batch out of range, said as such (it was
+    "the model's inputs grow step after step", from a 'rising' fraction that counted noise; found by the new-user
+    check)."""
+    tr = _input_run([1.0, 1.2, 1.5, 1.1, 1.4, 1.0, 1.3, 1.3e5])
+    d = tr.diagnose()
+    assert d.cause == "forward_overflow" and d.overflow is not None and d.overflow.step == 7
+    assert (
+        "the model's inputs (phase data) jumped ×1e+05 at step 7 (absmax 1.3 → 130000), after staying within ×1.5 "
+        "over steps 0–6: one batch out of range, not inputs growing"
+    ) in d.evidence
+    assert d.advice[0] == (
+        "Check the batch of step 7: its inputs' absmax is ×1e+05 the step before's (a corrupt or unnormalised "
+        "sample); validate or clip inputs where they are loaded."
+    )
+    assert not any("grow step after step" in a for a in d.advice)
+
+
+def test_inputs_that_double_every_step_still_grow() -> None:
+    tr = _input_run([2.0**k for k in range(15)])
+    d = tr.diagnose()
+    assert d.overflow is not None and d.overflow.step == 14  # 4 · 8192 = 32768 < 65504 < 4 · 16384 = 65536
+    assert any(a.startswith("The model's inputs grow step after step (×") for a in d.advice)
