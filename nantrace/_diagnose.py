@@ -226,10 +226,17 @@ def _until_fault(run: Facts, step: int) -> tuple[list[int], Overflow | None]:
     that event (``None`` when there is none). A loss scale cannot make such an event, so the skips from it on
     say nothing about the scale: the steps before it are judged on their own."""
     skip_run = run.skip_run(step)
-    fault = next(
-        (e for e in run.events if step < e.step <= skip_run[-1] and not run.scale_dependent(e)),
-        None,
-    )
+    fault = None
+    for e in run.events:
+        if not step <= e.step <= skip_run[-1]:
+            continue
+        if e.step > step and not run.scale_dependent(e):
+            fault = e
+            break
+        later = run.later_fault(e)  # a later micro-step of e's step (gradient accumulation)
+        if later is not None:
+            fault = later
+            break
     return ([s for s in skip_run if s < fault.step] if fault is not None else skip_run), fault
 
 
@@ -237,9 +244,16 @@ def _backoff_before(run: Facts, benign: list[Overflow], ev: Overflow) -> str | N
     """Evidence for a fault ``ev`` inside a run of skipped steps: the scale-dependent skips of that run before
     it were a GradScaler backoff (their producers and true loss scales), not what this diagnosis names."""
     first = run.skip_run(ev.step)[0]
-    before = [b for b in benign if first <= b.step < ev.step]
+    before = [b for b in benign if first <= b.step and (b.step, b.micro_step) < (ev.step, ev.micro_step)]
     if not before:
         return None
+    if all(b.step == ev.step for b in before):  # earlier micro-steps of the fault's own step
+        b = before[0]
+        return (
+            f"before it, at step {b.step}, micro-step {b.micro_step}, {c.producer_text(b)} overflowed ({b.kind}) at "
+            f"loss scale {num(run.scale.get(b.step, math.nan))}: a GradScaler backoff a lower scale removes, not "
+            f"this fault (a {ev.phase} value of micro-step {ev.micro_step} does not depend on the loss scale)"
+        )
     steps = [b.step for b in before]
     groups: dict[tuple[str, str], list[int]] = {}
     for b in before:
@@ -366,13 +380,15 @@ def _diagnose(view: RunView, merged: list[Overflow] | None = None) -> Diagnosis:
         if not dependent[i]:
             return _with_backoff(run, _fault(run, ev), benign, ev)
         skip_run, fault = _until_fault(run, ev.step)
-        if skip_run[0] not in judged:
+        if skip_run and skip_run[0] not in judged:
             lo, hi = skip_run[0], skip_run[-1]
             in_run = [e for e, d in zip(run.events, dependent, strict=True) if d and lo <= e.step <= hi]
             judged[lo] = _judge_skip_run(run, skip_run, in_run, fault)
-        verdict = judged[skip_run[0]]
+        verdict = judged[skip_run[0]] if skip_run else None
         if verdict is not None:
             return verdict
+        if fault is not None and fault.step == ev.step:  # a later micro-step of this step held the fault
+            return _with_backoff(run, _fault(run, fault), [*benign, ev], fault)
         again = _recurring_nan(run, benign, ev)
         if again:
             return sc.recurring(run, [*again, ev])

@@ -694,6 +694,20 @@ def first_overflow(view: RunView, kind: str | None = None) -> Overflow | None:
     return _overflow(view, found[0], False) if found else None
 
 
+def first_after(view: RunView, step: int, micro_step: int) -> Overflow | None:
+    """The first producer of ``step`` in its micro-steps after ``micro_step`` (the locator over those rows
+    only), or None; on one rank's trace only (None for a merged one). Under gradient accumulation a step's
+    first event can hide a second fault of a later micro-step (a backoff in micro-step 0, a NaN loss in 1)."""
+    if len(view.meta.ranks) > 1:
+        return None
+    r = view.records
+    sub = r[(r["step"].to_numpy() == step) & (r["micro_step"].to_numpy() > micro_step)]
+    if not len(sub):
+        return None
+    found = find(sub, wanted_kinds(None), view.ops, world_size=view.meta.world_size, first_only=True)
+    return _overflow(view, found[0], False) if found else None
+
+
 def overflows(view: RunView, kind: str | None = None, *, per_rank: bool = False) -> pd.DataFrame:
     """One row per step that saw a non-finite value: that step's first producer (columns of :class:`Overflow`
     plus ``message``). ``per_rank=True``: one row per (step, rank) instead, each rank's own first non-finite

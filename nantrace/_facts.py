@@ -29,7 +29,7 @@ from ._diagnosis import (
     QUIET_DIVERGENCE_GROWTH,
     UNHEALTHY_UPDATE_RATIO,
 )
-from ._explain import overflows
+from ._explain import first_after, overflows
 from ._fmt import module_label, num
 from ._masks import is_mask
 from ._overflow import Overflow
@@ -103,6 +103,13 @@ class Facts:
         loss_rows = (self.phase == "loss") & self.starts("loss")
         self._loss_seen = set(self.step[loss_rows].tolist())
         self._loss_bad = set(self.step[loss_rows & self.nonfinite].tolist())
+        micro = self.records["micro_step"].to_numpy() if len(self.records) else np.zeros(0, dtype=np.int64)
+        self._loss_seen_micro = set(
+            zip(self.step[loss_rows].tolist(), micro[loss_rows].tolist(), strict=True)
+        )
+        bad = loss_rows & self.nonfinite
+        self._loss_bad_micro = set(zip(self.step[bad].tolist(), micro[bad].tolist(), strict=True))
+        self._later: dict[tuple[int, int], Overflow | None] = {}
         self._runs: dict[int, list[int]] = {}
         current: list[int] = []
         for s in self.step_ids:
@@ -204,9 +211,14 @@ class Facts:
         return n_runs >= COLLAPSE_RECURRING and fell
 
     def first_fault_step(self) -> float:
-        """Step of the first event that is not scale-dependent (``inf`` when there is none)."""
-        faults = [ev.step for ev in self.events if not self.scale_dependent(ev)]
-        return min(faults) if faults else math.inf
+        """Step of the first event that is not scale-dependent, a later micro-step's included (``inf`` when
+        there is none)."""
+        for ev in self.events:
+            if not self.scale_dependent(ev):
+                return ev.step
+            if self.later_fault(ev) is not None:
+                return ev.step
+        return math.inf
 
     def fresh_steps(self) -> set[int]:
         """Steps whose weights differ from the step before: the first step, and every step after one the scaler
@@ -219,18 +231,39 @@ class Facts:
         among them (their loss was not recorded)."""
         return sorted(self._loss_bad)
 
-    def loss_finite(self, step: int) -> bool:
+    def loss_finite(self, step: int, micro_step: int | None = None) -> bool:
+        """The loss of ``step`` (of its micro-step ``micro_step`` when given and recorded) was finite."""
+        if micro_step is not None and (step, micro_step) in self._loss_seen_micro:
+            return (step, micro_step) not in self._loss_bad_micro
         if step in self._loss_seen:
             return step not in self._loss_bad
         return not math.isinf(self.loss.get(step, math.nan))
 
     def scale_dependent(self, ev: Overflow) -> bool:
-        """The scaler skipped this step and the event is one a lower loss scale can remove."""
+        """The scaler skipped this step and the event is one a lower loss scale can remove (a gradient at the
+        model's outputs counts when the loss of its own micro-step was finite)."""
         if self.skipped.get(ev.step) is not True:  # also None: no scaler
             return False
         if ev.phase == "backward":
             return True
-        return ev.phase == "loss" and not ev.tensor.startswith("loss") and self.loss_finite(ev.step)
+        return (
+            ev.phase == "loss"
+            and not ev.tensor.startswith("loss")
+            and self.loss_finite(ev.step, ev.micro_step)
+        )
+
+    def later_fault(self, ev: Overflow) -> Overflow | None:
+        """For a scale-dependent event, the first event of a later micro-step of its step when that one is not
+        scale-dependent (a NaN loss or a forward fault after a backoff in micro-step 0), else None."""
+        if not self.scale_dependent(ev):
+            return None
+        key = (ev.step, ev.micro_step)
+        if key not in self._later:
+            nxt = first_after(self.view, ev.step, ev.micro_step)
+            while nxt is not None and self.scale_dependent(nxt):
+                nxt = first_after(self.view, nxt.step, nxt.micro_step)
+            self._later[key] = nxt
+        return self._later[key]
 
     def output_series(self, module: str | None, before: int) -> pd.Series:
         """Per-step max finite absmax of forward outputs (of ``module``, or of every module), steps < before."""

@@ -185,3 +185,64 @@ def test_collapse_then_fault_stays_the_collapse() -> None:
         "from step 10 the skips went on with a forward inf (`output` of `fc`), which does not depend on the loss "
         "scale: a separate fault, not part of this collapse"
     ) in d.evidence
+
+
+def _accumulated(mode: str, at: tuple[int, int], fault: str) -> nantrace.Trace:
+    """Four steps of two micro-steps (``loss / 2`` each) from ``init_scale=2**24``: every micro-step 0 overflows
+    the loss gradient (a backoff). At micro-step ``at``: ``fault="nan"`` multiplies the loss by NaN,
+    ``fault="weight"`` sets `fc.weight[0, 0]` to +inf before the forward."""
+    torch.manual_seed(0)
+    m = _Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    data = _batches(8)
+    ctx = nantrace.trace if mode == "trace" else nantrace.watch
+    with ctx(m, scaler=sc, optimizer=opt) as tr:
+        for step in range(4):
+            opt.zero_grad()
+            for micro in range(2):
+                x, y = data[2 * step + micro]
+                if (step, micro) == at and fault == "weight":
+                    with torch.no_grad():
+                        m.fc.weight[0, 0] = float("inf")
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.mse_loss(m(x).float(), y)
+                if (step, micro) == at and fault == "nan":
+                    loss = loss * float("nan")
+                sc.scale(loss / 2).backward()
+            sc.step(opt)
+            sc.update()
+    return tr
+
+
+@pytest.mark.parametrize("mode", ["trace", "watch"])
+def test_a_nan_loss_in_micro_step_1_is_not_hidden_by_micro_step_0s_backoff(mode: str) -> None:
+    """The step's first event is micro-step 0's loss-gradient overflow (its own loss finite: scale-dependent);
+    micro-step 1's NaN loss is the fault (it was diagnosed as 'the loss of step 0 was not recorded' from the
+    gradient of micro-step 0, and the NaN loss appeared nowhere; found by the new-user check)."""
+    d = _accumulated(mode, (0, 1), "nan").diagnose()
+    assert d.cause == "loss" and d.overflow is not None
+    assert (d.overflow.step, d.overflow.micro_step, d.overflow.phase, d.overflow.tensor, d.overflow.kind) == (
+        0,
+        1,
+        "loss",
+        "loss",
+        "nan",
+    )
+    assert (
+        "before it, at step 0, micro-step 0, the loss gradient arriving at the model's outputs overflowed (inf) at "
+        "loss scale 1.678e+07: a GradScaler backoff a lower scale removes, not this fault (a loss value of "
+        "micro-step 1 does not depend on the loss scale)"
+    ) in d.evidence
+
+
+def test_an_inf_weight_in_a_later_micro_step_after_backoffs_is_the_fault() -> None:
+    """Backoffs at steps 0–1 and in micro-step 0 of step 2, then the weight read as +inf in micro-step 1 of
+    step 2: the diagnosis names it (it was a loss diagnosis of step 2's micro-step 0)."""
+    d = _accumulated("trace", (2, 1), "weight").diagnose()
+    assert d.cause == "invalid_op" and d.overflow is not None
+    assert (d.overflow.step, d.overflow.micro_step, d.overflow.module) == (2, 1, "fc")
+    assert d.summary == (
+        "`fc` computed +inf at step 2 from its own weights, which already held non-finite values: not this "
+        "forward's arithmetic."
+    )
