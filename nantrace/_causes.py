@@ -405,7 +405,7 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     if in_absmax > limit:
         evidence.append(
             f"its inputs (absmax {num(in_absmax)}) are already beyond {dtype}'s range: casting them to {dtype} "
-            "(autocast) gives inf, and inf − inf or 0·inf then gives NaN"
+            "(autocast) gives inf" + (", and inf − inf or 0·inf then gives NaN" if ev.kind == "nan" else "")
         )
     hook = oe.hook if oe is not None else None
     if own_code:
@@ -603,6 +603,8 @@ def _loss_gradient_advice(run: Facts, ev: Overflow, lv: float) -> str:
 
 def loss(run: Facts, ev: Overflow) -> Diagnosis:
     outs = run.rows_of(ev.step, "forward", module="", prefix="output")
+    if "micro_step" in outs.columns and (outs["micro_step"].to_numpy() == ev.micro_step).any():
+        outs = outs[outs["micro_step"].to_numpy() == ev.micro_step]  # the event's own micro-step's outputs
     loss_rows = run.rows_of(ev.step, "loss", prefix="loss")
     loss_dtype = str(loss_rows["dtype"].iloc[0]) if len(loss_rows) else "not recorded"
     which = "the loss" if ev.tensor.startswith("loss") else "the gradient arriving at the model's outputs"

@@ -1102,9 +1102,15 @@ def class_advice(ev: OpEvidence, module: str) -> list[str]:
             "Not an overflow: a lower loss scale does not remove it, and a wider dtype only with an eps it can hold."
         )
     elif ev.op_class == "invalid" and ev.what == WEIGHTS_HELD:
+        frozen = any(o.frozen and (o.n_nan or o.n_posinf) for o in ev.operands)
+        writers = (
+            "a manual edit, a state-dict load"
+            if frozen
+            else "an optimizer step whose own fault came first, a manual edit, a state-dict load"
+        )
         out.append(
-            f"The weights of {name} were already non-finite when its forward read them: the fault is what wrote them (an optimizer step whose own fault came first, a manual edit, a "
-            "state-dict load), not this forward. Restore them from a checkpoint and fix that writer."
+            f"The weights of {name} were already non-finite when its forward read them: the fault is what wrote "
+            f"them ({writers}), not this forward. Restore them from a checkpoint and fix that writer."
         )
     elif ev.op_class == "invalid":
         held_inf = any(o.posinf or o.neginf for o in ev.operands) or ev.because == _HELD_INF

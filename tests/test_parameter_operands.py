@@ -267,6 +267,10 @@ def test_a_nan_written_into_a_frozen_weight_is_named_as_the_weight(mode: str) ->
         "its parameter `weight` (operand arg1; frozen: requires_grad=False, so no optimizer.step() changes it) "
         "held NaN when the forward read it."
     )
+    assert tr.diagnose().advice[0] == (  # no optimizer step among the writers of a frozen weight
+        "The weights of `0` were already non-finite when its forward read them: the fault is what wrote them (a "
+        "manual edit, a state-dict load), not this forward. Restore them from a checkpoint and fix that writer."
+    )
 
 
 def test_an_embedding_row_set_to_inf_is_named_with_its_integer_inputs() -> None:

@@ -220,8 +220,18 @@ def test_a_nan_loss_in_micro_step_1_is_not_hidden_by_micro_step_0s_backoff(mode:
     """The step's first event is micro-step 0's loss-gradient overflow (its own loss finite: scale-dependent);
     micro-step 1's NaN loss is the fault (it was diagnosed as 'the loss of step 0 was not recorded' from the
     gradient of micro-step 0, and the NaN loss appeared nowhere; found by the new-user check)."""
-    d = _accumulated(mode, (0, 1), "nan").diagnose()
+    tr = _accumulated(mode, (0, 1), "nan")
+    d = tr.diagnose()
     assert d.cause == "loss" and d.overflow is not None
+    # the outputs' absmax is the event's micro-step's, in the diagnosis as in first_overflow()
+    outs = tr.records.query(
+        "step == 0 and micro_step == 1 and phase == 'forward' and module == '' and tensor == 'output'"
+    )
+    absmax = nantrace._fmt.num(float(outs["absmax"].max()))
+    assert (
+        d.evidence[0]
+        == f"the model's outputs at step 0 were finite (absmax {absmax}) but the loss was nan (float32)"
+    )
     assert (d.overflow.step, d.overflow.micro_step, d.overflow.phase, d.overflow.tensor, d.overflow.kind) == (
         0,
         1,

@@ -120,6 +120,11 @@ def test_one_batch_out_of_range_is_a_jump_not_inputs_growing() -> None:
         "sample); validate or clip inputs where they are loaded."
     )
     assert not any("grow step after step" in a for a in d.advice)
+    # only inf was made: no "inf − inf or 0·inf then gives NaN"
+    assert (
+        "its inputs (absmax 130000) are already beyond float16's range: casting them to float16 (autocast) gives inf"
+        in d.evidence
+    )
 
 
 def test_inputs_that_double_every_step_still_grow() -> None:
