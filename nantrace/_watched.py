@@ -57,6 +57,23 @@ def _notes(view: RunView) -> dict[str, dict[str, Any]]:
     return dict(watch.get("sentinel") or {}) if isinstance(watch, dict) else {}
 
 
+def _replay_advice(note: dict[str, Any]) -> str:
+    """What would let watch's replay reproduce the step, from what its note says made it differ."""
+    if note.get("recorded") == "not_replayed":
+        return "Trace the step on every rank (nantrace.trace()): watch does not replay a model holding FSDP or DDP modules."
+    fixes = []
+    if note.get("inputs_changed"):
+        fixes.append("do not change the model's inputs in place after its forward")
+    if note.get("weights_changed"):
+        fixes.append("write the weights only outside the step (not between its micro-steps)")
+    if fixes:
+        return f"For watch to replay the step: {' and '.join(fixes)}."
+    return (
+        "For watch to replay the step: keep the forward free of Python state that changes per call (a counter, a "
+        "flag set by the loop) and use deterministic kernels (torch.use_deterministic_algorithms(True))."
+    )
+
+
 def _written_what(note: dict[str, Any]) -> str:
     both = note.get("inputs_changed") and note.get("weights_changed")
     return (
@@ -208,8 +225,7 @@ def diagnose(view: RunView) -> Diagnosis:
             evidence=[str(ov)],
             advice=[
                 f"Re-run with nantrace.trace(..., every=1) around step {ov.step} to name the producer.",
-                "Make the replay deterministic: torch.use_deterministic_algorithms(True), and do not change the "
-                "model's inputs in place after its forward.",
+                _replay_advice(_notes(view).get(str(ov.step), {})),
             ],
             summary=f"Step {ov.step} went non-finite ({ov.phase}), but its replay did not reproduce it.",
         )

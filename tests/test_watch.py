@@ -458,6 +458,10 @@ def test_a_replay_whose_forward_stays_finite_does_not_blame_the_real_steps_loss(
     rows = tr.overflows()
     assert rows[["step", "phase", "tensor"]].values.tolist() == [[2, "forward", "output"]]
     assert rows["message"].iloc[0] == ov.message
+    assert tr.diagnose().advice[1] == (
+        "For watch to replay the step: keep the forward free of Python state that changes per call (a counter, a "
+        "flag set by the loop) and use deterministic kernels (torch.use_deterministic_algorithms(True))."
+    )
     assert "the replayed forward held none: the replay's first non-finite value was in the loss phase" in str(
         ov
     )
@@ -1392,6 +1396,9 @@ def test_a_step_whose_inputs_were_written_after_the_forward_is_not_reproduced() 
     )
     rows = tr.overflows()
     assert rows["step"].tolist() == [2] and rows["message"].iloc[0] == ov.message
+    assert tr.diagnose().advice[1] == (
+        "For watch to replay the step: do not change the model's inputs in place after its forward."
+    )
 
 
 def test_weights_written_between_micro_steps_are_not_replayed_into_the_first() -> None:
@@ -1412,3 +1419,6 @@ def test_weights_written_between_micro_steps_are_not_replayed_into_the_first() -
         "The model's parameters had been written in place after the forward of micro-step(s) 0 (before the "
         "replay, which runs before optimizer.step()), so the replay could not compute what that forward did."
     ) in str(ov)
+    assert tr.diagnose().advice[1] == (
+        "For watch to replay the step: write the weights only outside the step (not between its micro-steps)."
+    )
