@@ -168,9 +168,9 @@ class FirstNonfinite(TorchFunctionMode):
     """Replays a forward and stops at the first torch op that *produced* a kind not in ``known`` (the module
     call's input kinds): one of its outputs holds it and none of its inputs did, a non-finite scalar argument
     counting as an input (:func:`nantrace._stats.op_input_kinds`, the rule of :func:`nantrace.hunt`), or one of
-    its operands is a parameter of the module (``owned``) that already held it: NaN or +inf (a parameter's -inf
-    may be a mask kept as a parameter) (a weight made non-finite before the forward: the
-    call made the kind from finite inputs, and this op is the first to pass it on).
+    its operands is a parameter of the module (``owned``) that already held it as NaN or +inf: a weight made
+    non-finite before the forward, so the call made the kind from finite inputs and this op is the first to pass
+    it on (a parameter's -inf may be a mask kept as a parameter and does not count).
     ``found`` is ``(op name, kind, position, source line)``; of several new kinds, inf is named before NaN.
     ``made``: notes every floating value an op returned (:class:`Made`)."""
 
@@ -399,9 +399,10 @@ def replay_call(
     owned: dict[int, tuple[str, str]] | None = None,
 ) -> Any:
     """Run ``module`` on copies of ``args``/``kwargs`` and of its buffers (``torch.func.functional_call``) under
-    ``modes``, with autograd off, the CPU RNG state forked (Python's and NumPy's too) and the plain Python attributes of its submodules
-    set back afterwards (:func:`nantrace._tree.restore_plain`: a call counter is not moved on by the replay); the call's output, or None when a mode stopped
-    it or it raised (best effort: a replay never raises). In a process group of several ranks a call that may
+    ``modes``, with autograd off, the CPU RNG state forked (Python's and NumPy's too) and the plain Python
+    attributes of its submodules set back afterwards (:func:`nantrace._tree.restore_plain`: a call counter is
+    not moved on by the replay); the call's output, or None when a mode stopped it or it raised (best effort: a
+    replay never raises). In a process group of several ranks a call that may
     issue a collective is not replayed (:func:`issues_collectives`, :class:`NoCollectives`): the other ranks
     would never join it. ``owned``, when given, is filled before the modes run with ``id(tensor) -> (field,
     name)`` for the tensors the replay's module reads as its parameters and buffers (their names in

@@ -503,8 +503,9 @@ def _read_words(view: RunView, ov: Overflow, held: list[Operand]) -> str:
 def _finite_since(view: RunView, ov: Overflow, k: int) -> str:
     """The rest of "its optimizer row of step 1 was finite…": what the steps after ``k`` and before the event
     tell of optimizer.step(). A skipped step ran none; a step ``nantrace.watch`` only watched checked every
-    parameter that has a gradient (every one optimizer.step() updates) after it (its ``steps.recorded`` stays ``watch`` only when that check found all finite). When
-    each step between is one of those, no optimizer.step() made the value."""
+    parameter that has a gradient (every one optimizer.step() updates) after it, and its ``steps.recorded``
+    stays ``watch`` only when that check found all finite. When each step between is one of those, no
+    optimizer.step() made the value."""
     steps = _rank_rows(view.steps, ov, _many(view))
     between = (
         steps[(steps["step"].to_numpy() > k) & (steps["step"].to_numpy() < ov.step)] if len(steps) else steps

@@ -10,11 +10,13 @@ The JSON object holds:
   (finite values below 0), ``n_posinf``, ``n_neginf``, ``n_nan`` and ``n_at_max`` (finite values whose ``|x|``
   equals the dtype's largest finite value, e.g. a ``torch.finfo(float16).min`` mask constant), and, when the
   tensor is a parameter or buffer of the replayed module, its name relative to that module (``weight``,
-  ``0.bias``) under ``param`` (a parameter that requires grad), ``frozen`` (one that does not) or ``buffer``. A Python number gives ``name`` and ``value``.
+  ``0.bias``) under ``param`` (a parameter that requires grad), ``frozen`` (one that does not) or ``buffer``.
+  A Python number gives ``name`` and ``value``.
 * ``result``: the same statistics of the op's first output holding the new kind.
 * ``hook``: present when the op ran inside a user's forward or forward-pre hook (of the replayed module, of one
   of its submodules, or a global one) rather than in a ``forward``: ``{"name": "scale", "kind": "forward hook",
-  "module": "0"}`` (``module``: relative to the replayed module, ``""`` for itself, null for a global hook). Plain functions and bound methods are named (``Steer.apply``); a hook that is a callable object or a
+  "module": "0"}`` (``module``: relative to the replayed module, ``""`` for itself, null for a global hook).
+  Plain functions and bound methods are named (``Steer.apply``); a hook that is a callable object or a
   ``functools.partial`` is not.
 * ``vanished``: ``[value, dtype]`` for each non-zero Python constant that an op of the replay, up to the
   producing one, combined with a tensor of a dtype in which the constant rounds to 0 (``eps=1e-12`` in
@@ -121,10 +123,10 @@ def operand_facts(
     owned: dict[int, tuple[str, str]] | None = None,
     hook: tuple[str, str, str | None] | None = None,
 ) -> str:
-    """The JSON text of the ``operands`` column (module docstring). ``owned``: ``id(tensor) -> (field, name)`` for the
-    replayed module's parameters and buffers (:func:`nantrace._drill.replay_call`); an operand that is one of them
-    gets ``field: name``. ``hook``: ``(name, kind, module)``
-    of the forward (pre-)hook the op ran inside (:func:`nantrace._drill.hook_codes`)."""
+    """The JSON text of the ``operands`` column (module docstring). ``owned``: ``id(tensor) -> (field, name)``
+    for the replayed module's parameters and buffers (:func:`nantrace._drill.replay_call`); an operand that is
+    one of them gets ``field: name``. ``hook``: ``(name, kind, module)`` of the forward (pre-)hook the op ran
+    inside (:func:`nantrace._drill.hook_codes`)."""
     ops: list[dict[str, Any]] = []
     for name, v in operands:
         if isinstance(v, torch.Tensor):

@@ -68,12 +68,11 @@ def host_rngs_kept() -> Iterator[None]:
     """Save Python's ``random`` state and NumPy's global RNG state, and set them back on exit: a replayed
     forward that draws from them (``random.random()``, ``np.random.rand()``) leaves the user's streams where the
     real run had them (torch's own RNG is forked by the caller)."""
-    py, npy = random.getstate(), np.random.get_state()
+    states = host_rng_states()
     try:
         yield
     finally:
-        random.setstate(py)
-        np.random.set_state(npy)
+        set_host_rng_states(states)
 
 
 def host_rng_states() -> tuple[Any, Any]:
@@ -82,6 +81,7 @@ def host_rng_states() -> tuple[Any, Any]:
 
 
 def set_host_rng_states(states: tuple[Any, Any]) -> None:
+    """Set Python's ``random`` and NumPy's global RNG states back to ``states`` (:func:`host_rng_states`)."""
     random.setstate(states[0])
     np.random.set_state(states[1])
 
@@ -96,7 +96,8 @@ def restore_plain(module: torch.nn.Module, saved: dict[str, dict[str, Any]]) -> 
             if k not in before:
                 delattr(m, k)
         for k, v in before.items():
-            setattr(m, k, v)
+            if k not in vars(m) or vars(m)[k] != v:  # an unchanged attribute keeps its own object
+                setattr(m, k, v)
 
 
 def flatten(obj: Any, prefix: str, depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:

@@ -2,8 +2,9 @@
 on a step whose replay did not reproduce the fault (pure functions over a :class:`~nantrace._view.RunView`).
 
 The sentinel's notes are in ``view.meta.options["watch"]["sentinel"]`` (saved with the trace): per flagged
-step, where it first saw a non-finite value (``phase``, ``module``, ``tensor``, ``kind``, the tensor's ``dtype``;
-``""`` for the GradScaler's found-inf) and how the step was recorded. Without ``watch`` every function here returns the plain answer unchanged.
+step, where it first saw a non-finite value (``phase``, ``module``, ``tensor``, ``kind``, the tensor's
+``dtype``: ``""`` for the GradScaler's found-inf) and how the step was recorded. Without ``watch`` every
+function here returns the plain answer unchanged.
 
 A watched step records no ranges: the rules that read activation, gradient and weight ranges over steps
 (divergence; float16 gradient underflow and a divergence with no overflow yet, on a healthy run) read only the
@@ -60,7 +61,10 @@ def _notes(view: RunView) -> dict[str, dict[str, Any]]:
 def _replay_advice(note: dict[str, Any]) -> str:
     """What would let watch's replay reproduce the step, from what its note says made it differ."""
     if note.get("recorded") == "not_replayed":
-        return "Trace the step on every rank (nantrace.trace()): watch does not replay a model holding FSDP or DDP modules."
+        return (
+            "Trace the step on every rank (nantrace.trace()): watch does not replay a model holding FSDP or DDP "
+            "modules."
+        )
     fixes = []
     if note.get("inputs_changed"):
         fixes.append("do not change the model's inputs in place after its forward")
