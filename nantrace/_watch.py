@@ -269,9 +269,8 @@ def _found_inf(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
 @contextlib.contextmanager
 def _restored(model: nn.Module, params: list[nn.Parameter]) -> Iterator[None]:
     """Save ``.grad`` of ``params`` (set to None inside), the buffers of ``model``, the RNG states (torch's,
-    Python's ``random``, NumPy's global) and the plain
-    Python attributes of its modules (:func:`nantrace._tree.plain_state`: a call counter); restore them on
-    exit."""
+    Python's ``random``, NumPy's global) and the plain Python attributes of its modules
+    (:func:`nantrace._tree.plain_state`: a call counter); restore them on exit."""
     grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     attributes = plain_state(model)
@@ -722,8 +721,9 @@ def _recorded_as(
 
 
 def _weights_version(params: list[tuple[nn.Parameter, int, int, str]]) -> int:
-    """The sum of the parameters' version counters (each in-place write raises one by at least 1)."""
-    return sum(p._version for p, _, _, _ in params)
+    """The sum of the parameters' version counters (each in-place write raises one by at least 1); an inference
+    tensor has none and is left out."""
+    return sum(p._version for p, _, _, _ in params if not p.is_inference())
 
 
 def _changed(note: dict[str, Any]) -> bool:

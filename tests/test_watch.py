@@ -1422,3 +1422,15 @@ def test_weights_written_between_micro_steps_are_not_replayed_into_the_first() -
     assert tr.diagnose().advice[1] == (
         "For watch to replay the step: write the weights only outside the step (not between its micro-steps)."
     )
+
+
+def test_watch_runs_a_model_whose_parameters_are_inference_tensors() -> None:
+    """A model built under torch.inference_mode (its parameters have no version counter) watched in a no_grad
+    loop: the sentinel's per-forward sum of the parameters' versions leaves them out (it raised into the loop),
+    and the +inf input of step 1 is named."""
+    with torch.inference_mode():
+        m = nn.Linear(2, 2)
+    with nantrace.watch(m) as tr, torch.no_grad():
+        for step in range(3):
+            m(torch.ones(1, 2) * (1e39 if step == 1 else 1.0))
+    assert _fields(tr.first_overflow()) == (1, 0, "data", "", "Linear", 0, "input[0]", "inf")
