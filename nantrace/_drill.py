@@ -421,7 +421,12 @@ def replay_call(
         for n, t in buffers.items():
             p = params.get(n)
             owned[id(t)] = ("buffer" if p is None else "param" if p.requires_grad else "frozen", n)
-    attributes = plain_state(module)  # a forward that counts its calls must not count the replay
+    try:
+        attributes: dict[str, dict[str, Any]] | None = plain_state(
+            module
+        )  # a counter must not count the replay
+    except Exception:  # an attribute that refuses a copy: the replay runs without setting them back
+        attributes = None
     try:
         with torch.random.fork_rng(devices=[]), host_rngs_kept(), torch.no_grad():
             args_c, kwargs_c = clone_tree(args, strict=True), clone_tree(kwargs, strict=True)
@@ -434,8 +439,9 @@ def replay_call(
     except Exception:
         return None
     finally:
-        with contextlib.suppress(Exception):  # an attribute that refuses to be set back: never raised
-            restore_plain(module, attributes)
+        if attributes is not None:
+            with contextlib.suppress(Exception):  # an attribute that refuses to be set back: never raised
+                restore_plain(module, attributes)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -512,7 +518,8 @@ def drill_call(
     (:class:`Made`, read by :meth:`Suspects.learn`)."""
     owned: dict[int, tuple[str, str]] = {}
     mode, cast = FirstNonfinite(known, made, owned), CastWatch(known)
-    mode.hooks = hook_codes(module)
+    with contextlib.suppress(Exception):  # best effort: without them the op is named, not its hook
+        mode.hooks = hook_codes(module)
     # autocast's casts are the only ops CastWatch looks for, and the drill-down runs on CPU tensors only: without
     # CPU autocast the dispatch-level mode is left out (it costs Python on every aten op of the replay)
     modes = [mode, *([made] if made is not None else [])]

@@ -1322,3 +1322,29 @@ def test_replays_leave_python_and_numpy_random_streams_where_the_run_had_them(mo
         return
     got = run(nantrace.trace if mode == "trace" else nantrace.watch)
     assert got[0] == untraced[0] and got[2:] == untraced[2:]
+
+
+class _NoCopyInt(int):
+    """An int attribute that refuses to be copied."""
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise RuntimeError("no copies")
+
+
+class _Stubborn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.count = nn.Linear(2, 2), _NoCopyInt(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * 1e39  # past float32's max: the drill-down replays this call
+
+
+def test_an_attribute_that_refuses_a_copy_does_not_reach_the_loop() -> None:
+    """Saving the plain attributes around the drill-down's replay fails on this one: the replay runs without
+    setting them back, and the op is still named (the copy's error went into the user's forward)."""
+    m = nn.Sequential(_Stubborn())
+    with nantrace.trace(m) as tr:
+        m(torch.ones(1, 2))
+    assert tr.ops["op"].tolist() == ["mul"]
+    assert m[0].count == 1
