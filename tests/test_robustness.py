@@ -1343,8 +1343,9 @@ class _Stubborn(nn.Module):
 def test_an_attribute_that_refuses_a_copy_does_not_reach_the_loop() -> None:
     """Saving the plain attributes around the drill-down's replay fails on this one: the replay runs without
     setting them back, and the op is still named (the copy's error went into the user's forward)."""
-    m = nn.Sequential(_Stubborn())
-    with nantrace.trace(m) as tr:
-        m(torch.ones(1, 2))
-    assert tr.ops["op"].tolist() == ["mul"]
-    assert m[0].count == 1
+    for capture in (None, "first"):  # capture= saves them at every call too
+        m = nn.Sequential(_Stubborn())
+        with nantrace.trace(m, capture=capture) as tr:
+            m(torch.ones(1, 2))
+        assert tr.ops["op"].tolist() == ["mul"]
+        assert m[0].count == 1
