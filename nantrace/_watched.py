@@ -172,6 +172,7 @@ def unreproduced(view: RunView, kind: str | None = None) -> list[Overflow]:
                 kind=k,
                 dtype=str(note.get("dtype", "")),
                 message=message,
+                _captured=view.capture,  # save_repro works on it as on any Overflow of a capturing trace
             )
         )
     return sorted(out, key=lambda o: o.step)

@@ -1434,3 +1434,21 @@ def test_watch_runs_a_model_whose_parameters_are_inference_tensors() -> None:
         for step in range(3):
             m(torch.ones(1, 2) * (1e39 if step == 1 else 1.0))
     assert _fields(tr.first_overflow()) == (1, 0, "data", "", "Linear", 0, "input[0]", "inf")
+
+
+def test_save_repro_of_a_step_watch_did_not_reproduce_reads_the_capture() -> None:
+    """watch(..., capture='first') whose faulty step was not reproduced: save_repro of that Overflow reads the
+    trace's capture (it said 'this trace has no capture' though capture was passed; found by the second new-user
+    check). The replayed call was finite, so nothing was kept, and the error says so."""
+    torch.manual_seed(0)
+    model = ThirdCallInf()
+    with nantrace.watch(model, every=None, capture="first") as tr:
+        for _ in range(4):
+            tr.step(model(torch.ones(2, 3)).sum())
+    assert tr.steps["recorded"].tolist() == ["watch", "watch", "not_reproduced", "watch"]
+    ov = tr.first_overflow()
+    assert ov is not None
+    with pytest.raises(
+        nantrace.NantraceError, match=r"^save_repro: capture='first' watched every traced module"
+    ):
+        ov.save_repro("unused.repro")
