@@ -138,11 +138,7 @@ class Capture:
         if self.kept is not None or mcode not in self.codes:
             return
         flags = tuple(t.requires_grad for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-        try:
-            attributes = plain_state(module)
-        except Exception:  # an attribute that refuses a copy: the reproducer keeps those of save time
-            attributes = {}
-        self.open.append((mcode, clone_tree(args), clone_tree(kwargs), flags, attributes))
+        self.open.append((mcode, clone_tree(args), clone_tree(kwargs), flags, plain_state(module)))
 
     def post(self, module: nn.Module, mcode: int, output: Any, step: int, micro: int, call: int) -> None:
         if mcode not in self.codes:

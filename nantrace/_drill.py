@@ -421,12 +421,7 @@ def replay_call(
         for n, t in buffers.items():
             p = params.get(n)
             owned[id(t)] = ("buffer" if p is None else "param" if p.requires_grad else "frozen", n)
-    try:
-        attributes: dict[str, dict[str, Any]] | None = plain_state(
-            module
-        )  # a counter must not count the replay
-    except Exception:  # an attribute that refuses a copy: the replay runs without setting them back
-        attributes = None
+    attributes = plain_state(module)  # a forward that counts its calls must not count the replay
     try:
         with torch.random.fork_rng(devices=[]), host_rngs_kept(), torch.no_grad():
             args_c, kwargs_c = clone_tree(args, strict=True), clone_tree(kwargs, strict=True)
@@ -439,9 +434,8 @@ def replay_call(
     except Exception:
         return None
     finally:
-        if attributes is not None:
-            with contextlib.suppress(Exception):  # an attribute that refuses to be set back: never raised
-                restore_plain(module, attributes)
+        with contextlib.suppress(Exception):  # an attribute that refuses to be set back: never raised
+            restore_plain(module, attributes)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 from ._capture import Capture, CapturedCall, class_path
 from ._errors import NantraceError
 from ._files import atomic_write, check_target
-from ._tree import clone_tree
+from ._tree import clone_tree, restore_plain
 
 __all__ = ["REPRO_FORMAT", "REPRO_NAMES", "Repro", "captured_call", "load_repro", "save_repro"]
 
@@ -217,10 +217,7 @@ def save_repro(call: CapturedCall, path: str | os.PathLike[str]) -> Path:
     _check_importable(module, call.module_name)
     try:
         skeleton = _skeleton(module, call.hooks())
-        for name, attrs in call.attributes.items():  # as they were when the call started
-            sub = skeleton.get_submodule(name)
-            for k, v in attrs.items():
-                setattr(sub, k, copy.deepcopy(v))
+        restore_plain(skeleton, call.attributes)  # the plain attributes as they were when the call started
         module_bytes = _pickle(skeleton)
         call_bytes = _pickle((call.args, call.kwargs))
     except Exception as e:

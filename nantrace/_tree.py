@@ -47,20 +47,30 @@ def _is_plain(v: Any, depth: int = 0) -> bool:
 
 def plain_state(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
     """``{submodule name: {attribute: value}}`` of the plain Python attributes (numbers, strings, None, and
-    small tuples/lists/sets/dicts of those) in each submodule's ``__dict__``, copied: a call counter, a flag,
+    small tuples/lists/sets/dicts of those) in each submodule's ``__dict__``, copied (:func:`_copied`): a call
+    counter, a flag,
     a step count the forward reads. Parameters, buffers, submodules, hooks and torch's own fields are not
     attributes here. What a forward depends on beyond its tensors, kept when the call starts so that a
     reproducer saved later runs the call as it ran."""
     out: dict[str, dict[str, Any]] = {}
     for name, m in module.named_modules():
         own = {
-            k: copy.deepcopy(v)
+            k: _copied(v)
             for k, v in vars(m).items()
             if not k.startswith("_") and k != "training" and _is_plain(v)
         }
         if own:
             out[name] = own
     return out
+
+
+def _copied(v: Any) -> Any:
+    """A deep copy of ``v``, or ``v`` itself when it refuses one (a subclass of a plain type with its own
+    ``__deepcopy__``): setting that object back still undoes a rebinding, never raises."""
+    try:
+        return copy.deepcopy(v)
+    except Exception:
+        return v
 
 
 @contextlib.contextmanager

@@ -1341,8 +1341,9 @@ class _Stubborn(nn.Module):
 
 
 def test_an_attribute_that_refuses_a_copy_does_not_reach_the_loop() -> None:
-    """Saving the plain attributes around the drill-down's replay fails on this one: the replay runs without
-    setting them back, and the op is still named (the copy's error went into the user's forward)."""
+    """Copying the plain attributes around the drill-down's replay (and at each call under capture=) fails on
+    this one: it is kept as the object itself, and the op is still named (the copy's error went into the user's
+    forward)."""
     for capture in (None, "first"):  # capture= saves them at every call too
         m = nn.Sequential(_Stubborn())
         with nantrace.trace(m, capture=capture) as tr:
