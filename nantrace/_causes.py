@@ -19,9 +19,7 @@ from ._evidence import (
     mean_over_nothing,
     op_evidence,
     weights_beyond_event,
-    weights_written,
-    written_advice,
-    written_words,
+    written_facts,
 )
 from ._explain import samples_words
 from ._facts import DivergenceFacts, Facts, data_growth_words, ratio_per_step
@@ -418,8 +416,8 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     evidence += transient
     beyond, live = weights_beyond_of(run, ev)
     # weights beyond the dtype say themselves where they were changed
-    written = weights_written(run.view, ev, oe) if not beyond else []
-    evidence += [written_words(ev, w) for w in written]
+    written, find_writer = written_facts(run.view, ev, oe) if not beyond else ([], None)
+    evidence += written
     prefix = f"{ev.module}." if ev.module else ""
     evidence += _weights_evidence(run, ev, beyond, live)
     prev = run.output_series(ev.module, ev.step)
@@ -462,8 +460,8 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
         )
     if drift is not None:
         advice.insert(0, drift[1])
-    if written:
-        advice.insert(0, written_advice(ev, written))
+    if find_writer is not None:
+        advice.insert(0, find_writer)
     summary = _forward_summary(ev, dtype, oe, op if transient else None, beyond)
     return Diagnosis("forward_overflow", ev, evidence, advice, summary)
 

@@ -67,7 +67,7 @@ __all__ = [
     "weights_beyond_event",
     "weights_nonfinite",
     "weights_written",
-    "written_advice",
+    "written_facts",
     "written_words",
 ]
 
@@ -132,6 +132,12 @@ class Operand:
     @property
     def nonfinite(self) -> bool:
         return self.posinf or self.neginf or (not self.is_scalar and self.n_nan > 0)
+
+    @property
+    def held_weight(self) -> bool:
+        """A parameter (trainable or frozen) already holding NaN or +inf; its -inf may be a mask kept as a
+        parameter and does not count."""
+        return bool(self.param or self.frozen) and bool(self.n_nan or self.n_posinf)
 
     @property
     def is_scalar(self) -> bool:
@@ -473,6 +479,23 @@ def nonfinite_words(view: RunView, ov: Overflow, bad: list[tuple[str, str, int]]
     return "; ".join(words)
 
 
+def _param_row(view: RunView, ov: Overflow, pname: str) -> tuple[str, pd.Series | None]:
+    """``(name without its owner, last optimizer row before the event)`` of parameter ``pname`` (relative to
+    the event's module: ``weight``, ``0.bias``)."""
+    owner, _, local = pname.rpartition(".")
+    module = ".".join(p for p in (ov.module, owner) if p)
+    return local, last_optimizer_row(_rank_rows(view.records, ov, _many(view)), module, local, ov.step)
+
+
+def _steps_between(view: RunView, ov: Overflow, k: int) -> pd.DataFrame:
+    """The ``steps`` rows after step ``k`` and before the event's step."""
+    steps = _rank_rows(view.steps, ov, _many(view))
+    if not len(steps):
+        return steps
+    at = steps["step"].to_numpy()
+    return steps[(at > k) & (at < ov.step)]
+
+
 def _read_words(view: RunView, ov: Overflow, held: list[Operand]) -> str:
     """ "`weight` (operand arg1) held +inf when the forward read it; its optimizer row of step 1 was finite: it
     was written outside optimizer.step() (…)" for the producing op's parameter operands that
@@ -481,14 +504,12 @@ def _read_words(view: RunView, ov: Overflow, held: list[Operand]) -> str:
     for o in held:
         pname = str(o.param or o.frozen)
         kinds = [w for n, w in ((o.n_posinf, "+inf"), (o.n_neginf, "-inf"), (o.n_nan, "NaN")) if n]
-        owner, _, local = pname.rpartition(".")
-        module = ".".join(p for p in (ov.module, owner) if p)
+        local, last = _param_row(view, ov, pname)
         notes = [f"operand {o.name}"] if o.name != local else []
         if o.frozen:
             notes.append("frozen: requires_grad=False, so no optimizer.step() changes it")
         named = f" ({'; '.join(notes)})" if notes else ""
         text = f"`{pname}`{named} held {' and '.join(kinds)} when the forward read it"
-        last = last_optimizer_row(_rank_rows(view.records, ov, _many(view)), module, local, ov.step)
         if last is not None:
             k = int(last["step"])
             if int(last["n_nan"] + last["n_posinf"] + last["n_neginf"]):
@@ -506,10 +527,7 @@ def _finite_since(view: RunView, ov: Overflow, k: int) -> str:
     parameter that has a gradient (every one optimizer.step() updates) after it, and its ``steps.recorded``
     stays ``watch`` only when that check found all finite. When each step between is one of those, no
     optimizer.step() made the value."""
-    steps = _rank_rows(view.steps, ov, _many(view))
-    between = (
-        steps[(steps["step"].to_numpy() > k) & (steps["step"].to_numpy() < ov.step)] if len(steps) else steps
-    )
+    between = _steps_between(view, ov, k)
     skipped = [v is True for v in between["skipped"].tolist()] if len(between) else []
     recorded = (
         between["recorded"].astype(str).tolist() if "recorded" in between.columns else ["?"] * len(between)
@@ -543,27 +561,18 @@ def weights_written(
     there; both numbers are the largest finite ``|x|`` of the same tensor."""
     if ev is None or ov.phase != "forward" or not ev.recorded:
         return []
-    records = _rank_rows(view.records, ov, _many(view))
-    steps = _rank_rows(view.steps, ov, _many(view))
     out: list[tuple[str, int, float, float]] = []
     for o in ev.operands:
         if not o.param or o.nonfinite or math.isnan(o.absmax):
             continue
-        owner, _, local = o.param.rpartition(".")
-        module = ".".join(p for p in (ov.module, owner) if p)
-        last = last_optimizer_row(records, module, local, ov.step)
+        _, last = _param_row(view, ov, o.param)
         if last is None or int(last["n_nan"] + last["n_posinf"] + last["n_neginf"]):
             continue
         k, before = int(last["step"]), float(last["absmax"])
-        between = (
-            steps[(steps["step"].to_numpy() > k) & (steps["step"].to_numpy() < ov.step)]
-            if len(steps)
-            else steps
-        )
-        if not all(v is True for v in between["skipped"].tolist()):
+        if not all(v is True for v in _steps_between(view, ov, k)["skipped"].tolist()):
             continue  # an optimizer.step() ran since that row
         if not math.isclose(before, o.absmax, rel_tol=1e-6):
-            out.append((".".join(p for p in (owner, local) if p), k, before, o.absmax))
+            out.append((o.param, k, before, o.absmax))
     return out
 
 
@@ -579,13 +588,18 @@ def written_words(ev: Overflow, w: tuple[str, int, float, float]) -> str:
     )
 
 
-def written_advice(ov: Overflow, written: list[tuple[str, int, float, float]]) -> str:
-    """The advice for :func:`weights_written`'s parameters: find what wrote them."""
+def written_facts(view: RunView, ov: Overflow, ev: OpEvidence | None) -> tuple[list[str], str | None]:
+    """``(evidence lines, advice or None)`` for :func:`weights_written`'s parameters: what they held after the
+    optimizer and when read, and to find what wrote them."""
+    written = weights_written(view, ov, ev)
+    if not written:
+        return [], None
     names = ", ".join(f"`{'.'.join(p for p in (ov.module, w[0]) if p)}`" for w in written)
-    return (
+    advice = (
         f"Find what wrote {names} after optimizer.step() of step {written[0][1]} and before this forward (a manual "
         "edit, a state-dict load, a weight average): the optimizer did not change it in between."
     )
+    return [written_words(ov, w) for w in written], advice
 
 
 def _last_finite(view: RunView, ov: Overflow, pname: str) -> int | None:
@@ -990,8 +1004,7 @@ def op_evidence(view: RunView, ov: Overflow) -> OpEvidence | None:
         kind = str(row["kind"])
         ops, vanished, recorded, result_dtype, hook = _operands(row.get("operands"), ov.module)
         dtype = _op_dtype(str(row["op"]), ops, dtype, result_dtype)
-        # a parameter already holding NaN or +inf (its -inf may be a mask kept as a parameter)
-        held = [o for o in ops if (o.param or o.frozen) and (o.n_nan or o.n_posinf)]
+        held = [o for o in ops if o.held_weight]
         if beyond and str(row["op"]) != CAST_OP:
             cls, because, what = _classify_call(view, ov, kind, beyond)
         elif held and ov.phase == "forward":  # it computed from its own weights: nothing in the call made it
@@ -1103,7 +1116,7 @@ def class_advice(ev: OpEvidence, module: str) -> list[str]:
             "Not an overflow: a lower loss scale does not remove it, and a wider dtype only with an eps it can hold."
         )
     elif ev.op_class == "invalid" and ev.what == WEIGHTS_HELD:
-        frozen = any(o.frozen and (o.n_nan or o.n_posinf) for o in ev.operands)
+        frozen = any(o.frozen and o.held_weight for o in ev.operands)
         writers = (
             "a manual edit, a state-dict load"
             if frozen

@@ -24,9 +24,7 @@ from ._evidence import (
     mean_over_nothing,
     op_evidence,
     weights_beyond_event,
-    weights_written,
-    written_advice,
-    written_words,
+    written_facts,
 )
 from ._fmt import module_label, num
 from ._hooks import CAST_OP
@@ -333,11 +331,10 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
         ]
     if oe.op_class != "reduction" and oe.hook is None:
         advice = [*extra, *advice]
-    ov = Overflow(**f)
-    written = weights_written(view, ov, oe)
-    lines = [f"{w[0].upper()}{w[1:]}." for w in (written_words(ov, x) for x in written)]
-    if written:
-        advice.insert(0, written_advice(ov, written))
+    written, find_writer = written_facts(view, Overflow(**f), oe)
+    lines = [f"{w[0].upper()}{w[1:]}." for w in written]
+    if find_writer is not None:
+        advice.insert(0, find_writer)
     return [
         f"{head}, from {finite_in}; {limit}.{climb}",
         *facts,
