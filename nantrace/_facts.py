@@ -455,7 +455,11 @@ def data_growth(run: Facts, step: int) -> Trend | None:
     trailing :data:`DIVERGENCE_WINDOW` recorded steps grew at least :data:`DIVERGENCE_GROWTH` times, rising in
     at least :data:`DIVERGENCE_RISING` of the changes, over at least :data:`DIVERGENCE_MIN_STEPS` steps (the
     thresholds activations are held to); None otherwise."""
-    series = run.data_series(step)
+    return _growth(run.data_series(step))
+
+
+def _growth(series: pd.Series) -> Trend | None:
+    """:func:`data_growth` of the inputs' per-step absmax ``series``."""
     t = trend(series)
     if t.n < DIVERGENCE_MIN_STEPS or not (t.growth >= DIVERGENCE_GROWTH and t.rising >= DIVERGENCE_RISING):
         return None
@@ -495,7 +499,7 @@ def data_growth_words(run: Facts, step: int) -> tuple[str, str] | None:
             f"Check the batch of step {at}: its inputs' absmax is ×{num(factor)} the step before's (a corrupt or "
             "unnormalised sample); validate or clip inputs where they are loaded.",
         )
-    t = data_growth(run, step)
+    t = _growth(series)
     if t is None:
         return None
     grew = f"×{num(t.growth)} over steps {t.first_step}–{t.last_step}"
