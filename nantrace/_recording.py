@@ -102,15 +102,28 @@ def _check_objects(model: Any, scaler: Any, optimizer: Any) -> None:
             f"model must be a torch.nn.Module; got {got}. Pass the model object your loop calls (e.g. model = Net())."
         )
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        swapped = (
+            " It is an optimizer: pass it by name, trace(model, optimizer=opt) (the second positional argument is "
+            "the scaler)."
+            if isinstance(scaler, torch.optim.Optimizer)
+            else ""
+        )
         raise TypeError(
-            f"scaler must be a torch.amp.GradScaler (or None); got {_got(scaler, torch.amp.GradScaler)}. "
-            "Pass the GradScaler object your loop calls scale()/step()/update() on (e.g. scaler = "
+            f"scaler must be a torch.amp.GradScaler (or None); got {_got(scaler, torch.amp.GradScaler)}."
+            f"{swapped} Pass the GradScaler object your loop calls scale()/step()/update() on (e.g. scaler = "
             "torch.amp.GradScaler('cuda'))."
         )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        swapped = (
+            " It is a GradScaler: pass it by name, trace(model, scaler=scaler, optimizer=opt) (the third "
+            "positional argument is the optimizer)."
+            if isinstance(optimizer, torch.amp.GradScaler)
+            else ""
+        )
         raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer (or None); got {_got(optimizer, torch.optim.Optimizer)}. "
-            "Pass the optimizer object your loop calls step() on (e.g. opt = torch.optim.AdamW(model.parameters()))."
+            f"optimizer must be a torch.optim.Optimizer (or None); got {_got(optimizer, torch.optim.Optimizer)}."
+            f"{swapped} Pass the optimizer object your loop calls step() on (e.g. opt = "
+            "torch.optim.AdamW(model.parameters()))."
         )
     if optimizer is not None:
         held = [p for g in optimizer.param_groups for p in g.get("params", [])]

@@ -372,9 +372,9 @@ def trace_of(recording: Recording, watch: Watch | None = None) -> Trace:
 
 def trace(
     model: nn.Module,
-    *,
     scaler: torch.amp.GradScaler | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
     modules: ModuleFilter | None = None,
     phases: Iterable[str] | str | None = None,
     sync_free: bool | None = None,
@@ -403,7 +403,8 @@ def trace(
         model: the ``nn.Module`` to trace. Wrapper prefixes (DDP ``module.``, FSDP, checkpoint wrappers,
             ``torch.compile``'s ``_orig_mod.``) are dropped from module names.
         scaler: the ``torch.amp.GradScaler`` the loop uses; its ``update()`` then marks step boundaries, and the
-            loss scale, skipped steps and growth tracker are recorded.
+            loss scale, skipped steps and growth tracker are recorded. ``scaler`` and ``optimizer`` may be
+            passed by position (``trace(model, scaler, optimizer)``); every option after them is keyword-only.
         optimizer: the ``torch.optim.Optimizer``; parameters are recorded after each ``step()``, which marks the
             step boundary when there is no scaler.
         modules: which submodules to hook: a name glob (``"encoder.*"``), an ``nn.Module`` subclass, a callable
@@ -488,9 +489,9 @@ def trace(
 
 def watch(
     model: nn.Module,
-    *,
     scaler: torch.amp.GradScaler | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
     every: int | None = DEFAULT_EVERY,
     **options: Any,
 ) -> Trace:

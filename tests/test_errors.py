@@ -215,10 +215,43 @@ def test_trace_sync_free_must_be_bool_or_none() -> None:
     check(TypeError, lambda: trace(m, sync_free="yes"), names="sync_free", m=m)
 
 
-def test_trace_arguments_after_model_are_keyword_only() -> None:
+@pytest.mark.parametrize("make", [trace, nantrace.watch], ids=["trace", "watch"])
+def test_scaler_and_optimizer_may_be_passed_positionally(make: Any) -> None:
+    """``trace(model, scaler, optimizer)`` is ``trace(model, scaler=scaler, optimizer=optimizer)``; the options
+    after them are keyword-only."""
     m = model()
-    with pytest.raises(TypeError):
-        trace(m, torch.amp.GradScaler("cpu"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with make(m, scaler, opt) as tr:
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(torch.ones(1, 2)).float().sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert list(tr.steps["step"]) == [0, 1]
+    assert list(tr.steps["scale"]) == [8.0, 8.0]
+    with pytest.raises(TypeError, match="positional"):
+        make(m, scaler, opt, None)
+
+
+def test_an_optimizer_in_the_scaler_place_says_to_pass_it_by_name() -> None:
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    msg = check(TypeError, lambda: trace(m, opt), names="scaler", m=m)
+    assert msg == (
+        "scaler must be a torch.amp.GradScaler (or None); got SGD. It is an optimizer: pass it by name, "
+        "trace(model, optimizer=opt) (the second positional argument is the scaler). Pass the GradScaler object "
+        "your loop calls scale()/step()/update() on (e.g. scaler = torch.amp.GradScaler('cuda'))."
+    )
+    scaler = torch.amp.GradScaler("cpu")
+    msg = check(TypeError, lambda: nantrace.watch(m, None, scaler), names="optimizer", m=m)
+    assert msg == (
+        "optimizer must be a torch.optim.Optimizer (or None); got GradScaler. It is a GradScaler: pass it by "
+        "name, trace(model, scaler=scaler, optimizer=opt) (the third positional argument is the optimizer). Pass "
+        "the optimizer object your loop calls step() on (e.g. opt = torch.optim.AdamW(model.parameters()))."
+    )
 
 
 # ------------------------------------------------------------------------------------------------ kind=
