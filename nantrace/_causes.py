@@ -859,17 +859,25 @@ def divergence_diagnosis(run: Facts, ev: Overflow | None, div: DivergenceFacts) 
     clip = run.clipping()
     if clip is not None:
         evidence.append(clipping_text(clip))
-    else:
+    elif run.has_scaler():
         advice.append(
             "Clip gradients: `scaler.unscale_(optimizer)` then `torch.nn.utils.clip_grad_norm_(model.parameters(), "
-            "1.0)` before `scaler.step(optimizer)` (without a scaler, just before `optimizer.step()`)."
+            "1.0)` before `scaler.step(optimizer)`."
+        )
+    else:
+        advice.append(
+            "Clip gradients: `torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)` just before `optimizer.step()`."
         )
     grows = (
         "the weights themselves grow step after step"
         if div.weights_steady
         else "each update changes the weights too much for the activations to stay in range"
     )
-    advice.append(f"Keeping a layer in float32 only postpones the overflow: {grows}.")
+    wide = compute_dtype(run, ev) if ev is not None else None
+    if wide in ("float32", "float64"):
+        advice.append(f"A wider dtype does not help: {wide} itself overflowed, and {grows}.")
+    else:
+        advice.append(f"Keeping a layer in float32 only postpones the overflow: {grows}.")
     drift = data_growth_words(run, ev.step if ev is not None else max(run.step_ids, default=0))
     if drift is not None:  # the inputs grew too: what the learning rate does not explain
         evidence.append(drift[0])

@@ -924,6 +924,40 @@ def test_divergence_under_a_grad_scaler_is_not_called_backoff_or_collapse() -> N
     d = diagnose(tr)
     assert d.cause == "divergence"
     assert d.overflow is not None and d.overflow.phase == "backward"
+    assert d.overflow.dtype == "float32"  # the float32 `.grad` of a backward computed in float16
+    assert d.advice[1] == (
+        "Clip gradients: `scaler.unscale_(optimizer)` then `torch.nn.utils.clip_grad_norm_(model.parameters(), "
+        "1.0)` before `scaler.step(optimizer)`."
+    )
+    assert (
+        d.advice[2]
+        == "Keeping a layer in float32 only postpones the overflow: the weights themselves grow step after step."
+    )
+
+
+def test_a_float32_divergence_without_a_scaler_is_not_told_to_keep_float32_or_use_the_scaler() -> None:
+    """An fp32 run with a learning rate of 3 grows until float32 itself overflows in backward: float32 cannot be
+    the remedy, and a loop with no GradScaler is told to clip without one."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=3.0)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    with nantrace.trace(m, optimizer=opt) as tr:
+        for _ in range(12):
+            opt.zero_grad()
+            loss = ((m(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            if not torch.isfinite(loss):
+                break
+    d = diagnose(tr)
+    assert d.cause == "divergence"
+    assert d.overflow is not None and d.overflow.dtype == "float32"
+    assert d.advice[1:] == [
+        "Clip gradients: `torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)` just before `optimizer.step()`.",
+        "A wider dtype does not help: float32 itself overflowed, and each update changes the weights too much for "
+        "the activations to stay in range.",
+    ]
 
 
 def test_fp16_readiness_from_a_bf16_run_flags_what_float16_cannot_hold() -> None:
