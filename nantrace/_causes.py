@@ -149,7 +149,7 @@ def data(run: Facts, ev: Overflow) -> Diagnosis:
         advice.append(
             "-inf in an input that is not an attention mask: clamp before the log "
             "(`torch.log(x.clamp_min(1e-6))` or `torch.log1p(x)`). If it is a mask, pass it as an argument whose "
-            "name contains 'mask', or make it hold only 0 and -inf."
+            "name contains 'mask', or make it hold only 0 (where kept) and -inf."
         )
     if counts.get("nan"):
         advice.append("Replace missing values before the model (`torch.nan_to_num(x)` or drop the sample).")

@@ -2,7 +2,9 @@
 
 A tensor is an attention mask when it holds no NaN or +inf and either its name says so (the forward parameter it
 was passed as, or its path, contains ``"mask"`` or ``"bias"``, as in ``attention_mask`` or ``attn_bias``) or
-every value is 0 or -inf; the value rule does not apply to the model's first positional argument (``input[0]``
+every value is 0 or -inf with at least one 0 (a tensor of -inf alone would mask every position: it is an
+overflow to -inf, as in a small head whose every output went below the dtype's lowest value); the value rule does
+not apply to the model's first positional argument (``input[0]``
 of phase data: the features, where ``log(one_hot)`` is data). A mask's -inf is recorded but never reported.
 
 A *finite* additive mask (``torch.finfo(dtype).min`` where masked, 0 elsewhere, as transformers builds them) holds
@@ -56,9 +58,10 @@ def mask_rows(
 ) -> np.ndarray:
     """Rule 3 on arrays: rows that are attention masks (``activation``: data/forward rows; ``named``: the
     parameter name or path contains "mask" or "bias"; ``features``: the rows of the model's first positional
-    argument, ``input[0]`` of phase data, where the value rule "every value is 0 or -inf" does not apply, so
+    argument, ``input[0]`` of phase data, where the value rule "every value is 0 or -inf, and one is 0" does not
+    apply, so
     ``log(one_hot)`` there is data, not a mask)."""
-    only_mask_values = (n_zero + n_neginf) == numel
+    only_mask_values = ((n_zero + n_neginf) == numel) & (n_zero > 0)  # all -inf masks everything: no mask
     if features is not None:
         only_mask_values = only_mask_values & ~features
     return (n_neginf > 0) & (n_nan == 0) & (n_posinf == 0) & activation & (named | only_mask_values)

@@ -437,7 +437,7 @@ def trace(
             collective: every rank must pass the same step boundaries. Default ``None``: off. Without a process
             group (or with one rank) it does nothing.
         capture: keep a copy of the inputs of the first module call that produced a non-finite value (its
-            output holds NaN/+inf/-inf that its inputs did not; an output holding only 0 and -inf, or named
+            output holds NaN/+inf/-inf that its inputs did not; an output holding only 0 and -inf (one 0 at least), or named
             ``mask``/``bias``, is a mask), for :meth:`Overflow.save_repro` and :func:`nantrace.load_repro`.
             ``"first"`` (the string) watches every traced module, and is not a module name: a module literally
             named ``first`` is captured with the list ``["first"]``. A qualified module name (or a list of

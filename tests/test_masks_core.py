@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -242,3 +245,70 @@ def test_a_mask_around_does_not_hide_a_minus_inf_gradient_in_backward() -> None:
     ov = tr.first_overflow()
     assert _where(ov) == (0, "backward", "big", 0, "grad_input[0]", "inf")
     assert int(tr.records.query("module == 'big' and tensor == 'grad_input[0]'")["n_neginf"].iloc[0]) == 8
+
+
+# ------------------------------------------------------------------------------------ all -inf is no mask
+class NegHead(nn.Module):
+    """A body and a one-output head whose weights send every output below the dtype's lowest value."""
+
+    def __init__(self, dtype: torch.dtype, weight: float) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+        with torch.no_grad():
+            self.body.weight.copy_(torch.eye(4))
+            self.body.bias.zero_()
+            self.head.weight.fill_(weight)
+            self.head.bias.zero_()
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("make", [nantrace.trace, nantrace.watch], ids=["trace", "watch"])
+@pytest.mark.parametrize(
+    ("dtype", "weight"), [(torch.float32, -1e38), (torch.float16, -30000.0)], ids=["float32", "float16"]
+)
+def test_an_output_that_overflowed_to_minus_inf_everywhere_is_an_overflow_not_a_mask(
+    make: Any, dtype: torch.dtype, weight: float
+) -> None:
+    """Every output of the head is -inf (2 x 4 x 3.0 x weight, past the dtype's lowest value): a tensor of -inf
+    alone masks every position, so it is no mask and the head produced it. Before, it passed as a mask and the
+    event was a loss "from finite outputs (absmax n/a)"."""
+    m = NegHead(dtype, weight)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with make(m, optimizer=opt) as tr:
+        opt.zero_grad()
+        loss = m(torch.full((2, 4), 3.0, dtype=dtype)).float().sum()
+        tr.step(loss=loss)
+    ov = tr.first_overflow()
+    assert _where(ov) == (0, "forward", "head", 0, "output", "inf")
+    assert ov is not None and ov.dtype == str(dtype).removeprefix("torch.")
+    assert _ops(tr) == [("head", 0, "linear", "neginf")]
+
+
+def test_a_zero_and_minus_inf_output_is_still_a_mask_and_minus_inf_alone_is_not() -> None:
+    from nantrace._masks import mask_rows
+
+    one = np.ones(1, dtype=bool)
+    z = np.zeros(1, dtype=np.int64)
+    # (n_zero, n_neginf, numel): 0 and -inf / -inf alone / -inf beside finite values
+    got = [
+        bool(mask_rows(z, z, np.array([ni]), np.array([nz]), np.array([n]), one, ~one)[0])
+        for nz, ni, n in [(2, 2, 4), (0, 4, 4), (1, 2, 4)]
+    ]
+    assert got == [True, False, False]
+    # a name says mask whatever the values
+    assert bool(mask_rows(z, z, np.array([4]), z, np.array([4]), one, one)[0])
+
+
+def test_capture_keeps_the_call_whose_output_is_minus_inf_alone() -> None:
+    m = NegHead(torch.float32, -1e38)
+    with nantrace.trace(m, capture="first") as tr:
+        m(torch.full((2, 4), 3.0))
+    ov = tr.first_overflow()
+    assert _where(ov) == (0, "forward", "head", 0, "output", "inf")
+    assert tr._recording is not None and tr._recording.capture is not None
+    kept = tr._recording.capture.kept
+    assert kept is not None and kept.module_name == "head"
