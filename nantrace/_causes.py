@@ -10,6 +10,8 @@ import pandas as pd
 
 from ._diagnosis import DIVERGENCE_UPDATE_RATIO, HEADLINE_MAX, HEALTHY_UPDATE_RATIO, Diagnosis
 from ._evidence import (
+    KEPT_DERIVATIVE,
+    KEPT_DERIVATIVE_FIX,
     WEIGHTS_HELD,
     OpEvidence,
     call_arity,
@@ -446,8 +448,8 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
         )
     if beyond:
         advice.insert(0, _beyond_advice(run, ev, beyond, live, limit))
-    if oe is not None and class_advice(oe, ev.module):
-        advice[:0] = class_advice(oe, ev.module)
+    if oe is not None and class_advice(oe, ev.module, scaled=run.has_scaler()):
+        advice[:0] = class_advice(oe, ev.module, scaled=run.has_scaler())
     elif in_absmax > limit and not own_code and not beyond:  # its input was beyond the dtype before it ran
         advice.insert(0, _input_beyond_advice(ev.module, in_absmax, dtype, limit))
     elif not own_code and not beyond and (params := own_parameters(run.records, ev.module)):
@@ -481,6 +483,12 @@ _CLASS_SUMMARY = {
 }
 
 
+def _summary_verb(oe: OpEvidence) -> str:
+    if oe.outside_domain:
+        return "went outside an op's domain"
+    return _CLASS_SUMMARY.get(oe.op_class, "made a non-finite value")
+
+
 def _invalid_forward(run: Facts, ev: Overflow) -> Diagnosis:
     dtype = str(ev.dtype)
     inputs = call_inputs(run, ev)
@@ -510,7 +518,7 @@ def _invalid_forward(run: Facts, ev: Overflow) -> Diagnosis:
             "of -inf, or zero the row after the softmax (`probs.masked_fill(all_masked, 0)`)."
         )
     else:
-        advice += class_advice(oe, ev.module)
+        advice += class_advice(oe, ev.module, scaled=run.has_scaler())
     if not advice:
         advice.append(
             f"Find the invalid op in {module_label(ev.module)}'s forward (0/0, 0·inf, inf−inf, sqrt/log of a "
@@ -518,10 +526,7 @@ def _invalid_forward(run: Facts, ev: Overflow) -> Diagnosis:
         )
     in_hook = f" in your {oe.hook}" if oe.hook is not None else ""
     op = f" (`{oe.op}`{in_hook}: {oe.what})" if oe.op is not None else f" ({oe.what})"
-    summary = (
-        f"{module_label(ev.module)} {_CLASS_SUMMARY.get(oe.op_class, 'made a non-finite value')} at step "
-        f"{ev.step}{op}: not an overflow."
-    )
+    summary = f"{module_label(ev.module)} {_summary_verb(oe)} at step {ev.step}{op}: not an overflow."
     if oe.what == WEIGHTS_HELD:
         summary = (
             f"{module_label(ev.module)} computed {what} at step {ev.step} from its own weights, which already "
@@ -553,6 +558,22 @@ def _invalid_backward(run: Facts, ev: Overflow) -> Diagnosis:
     skips = skips_text(run)
     if skips:
         evidence.append(skips)
+    if gone is None:
+        zeros = int(fwd["n_zero"].sum()) if len(fwd) else 0
+        if zeros:
+            evidence.append(f"its forward output held {zeros} exact zero(s) at that step")
+        evidence.append(KEPT_DERIVATIVE[0].upper() + KEPT_DERIVATIVE[1:].rstrip("."))
+        return Diagnosis(
+            "invalid_op",
+            ev,
+            evidence,
+            [
+                f"In the backward of {module_label(ev.module)}: {KEPT_DERIVATIVE_FIX[0].lower()}{KEPT_DERIVATIVE_FIX[1:]}",
+                "`torch.autograd.detect_anomaly()` on one step names the exact backward function.",
+            ],
+            f"The backward of {module_label(ev.module)} made NaN from finite gradients at step {ev.step}: an "
+            "invalid operation.",
+        )
     advice = [
         f"In the backward of {module_label(ev.module)}: an op whose derivative is not finite at the values it saw "
         "(inf for log/log1p or sqrt at 0 and x/0, NaN for sqrt/log of a negative) sits under a `torch.where`/mask "

@@ -20,7 +20,9 @@ Classes (:data:`OP_CLASSES`), decided in this order on the producing op:
 3. ``invalid``: NaN from operands holding +inf (inf − inf, 0·inf, inf/inf).
 4. ``singular``: the op's operand sits where the op is infinite or undefined: a zero denominator of a division
    or ``reciprocal``; 0 or a negative value under ``rsqrt``/``log``; a negative value under ``sqrt``; a zero
-   base with a negative exponent, or a negative base with a fractional one, in ``pow``. Without operand facts
+   base with a negative exponent, or a negative base with a fractional one, in ``pow``; beyond ±1 under
+   ``acos``/``asin``/``atanh``/``erfinv``, ±1 under ``atanh``/``erfinv``; a zero divisor of ``fmod``. An operand
+   outside the op's domain (:attr:`OpEvidence.outside_domain`) is headlined so. Without operand facts
    only the ops whose finite inputs can give the kind at their singular point alone count (``rsqrt``, ``log``
    for ±inf; ``sqrt``, ``log`` for NaN).
 5. ``reduction``: a reduction (``sum``, ``mean``, ``cumsum``, ``prod``, ``norm``, ``var``, ``std``,
@@ -49,6 +51,8 @@ from ._schema import KIND_WORDS, dtype_max
 from ._view import RunView
 
 __all__ = [
+    "KEPT_DERIVATIVE",
+    "KEPT_DERIVATIVE_FIX",
     "OP_CLASSES",
     "WEIGHTS_HELD",
     "OpEvidence",
@@ -64,6 +68,7 @@ __all__ = [
     "mean_over_nothing",
     "nonfinite_words",
     "op_evidence",
+    "scaled_run",
     "weights_beyond_event",
     "weights_nonfinite",
     "weights_written",
@@ -220,6 +225,12 @@ class OpEvidence:
     hook: str | None = None
 
     @property
+    def outside_domain(self) -> bool:
+        """A ``singular`` op whose operand lay outside the op's domain (sqrt or log of a negative value, acos
+        beyond ±1, a fractional power of a negative base): undefined there, not infinite."""
+        return self.op_class == "singular" and self.what.endswith(_OUTSIDE_DOMAIN)
+
+    @property
     def cause(self) -> str:
         """The diagnosis cause this class leads to (forward; a backward inf is ``backward_overflow``)."""
         return CLASS_CAUSE[self.op_class]
@@ -230,7 +241,8 @@ class OpEvidence:
         if self.op is None:
             lines.append("the producing op was not recorded (the forward replay runs on CPU tensors only)")
         else:
-            lines.append(f"the producing op: `{self.op}` ({self.op_class}: {self.because})")
+            label = "outside its domain" if self.outside_domain else self.op_class
+            lines.append(f"the producing op: `{self.op}` ({label}: {self.because})")
             if self.hook is not None:
                 lines.append(f"`{self.op}` ran inside the {self.hook}, not in a module's forward")
             if self.recorded:
@@ -313,6 +325,21 @@ def _call_ops(view: RunView, ov: Overflow, reaches: bool) -> pd.DataFrame | None
         & (o["call"].to_numpy() == ov.call)
     )
     return o[m]
+
+
+#: A backward NaN of a call for which the drill-down named no forward value that the forward discarded: the
+#: derivative at a finite value the forward kept (sqrt or a norm at 0) is the likely source. One sentence and
+#: its fix, for the explanation and the diagnosis.
+KEPT_DERIVATIVE = (
+    "no forward op is named whose non-finite value the forward discarded, so the NaN likely comes from a "
+    "derivative that is infinite at a finite value the forward kept, times a zero: sqrt or a norm at 0 (the "
+    "derivative of sqrt(s) is 1/(2·sqrt(s)), inf at s = 0, and inf·0 = NaN), x**p with 0 < p < 1 at 0, acos or "
+    "asin at ±1; or from an intermediate of the backward beyond its dtype's max."
+)
+KEPT_DERIVATIVE_FIX = (
+    "Keep the argument off that point: `(s + eps).sqrt()` for `s.sqrt()`, `F.normalize(x, eps=1e-6)` or "
+    "`(x.pow(2).sum(-1) + eps).sqrt()` for `x.norm(dim=-1)`, `x.clamp_min(eps) ** p` for a fractional power."
+)
 
 
 def discarded_op(view: RunView, ov: Overflow) -> tuple[str, str | None] | None:
@@ -663,6 +690,12 @@ def _values_per_result(base: str, ops: tuple[Operand, ...]) -> int:
     return math.prod(x.shape[d % rank] for d in set(d % rank for d in dims))
 
 
+#: ops defined on [-1, 1] only: NaN beyond it (a cosine similarity rounded past 1 under ``acos``)
+_UNIT_DOMAIN = ("acos", "asin", "arccos", "arcsin", "atanh", "arctanh", "erfinv", "special_erfinv")
+#: the ``what`` endings of a value outside the op's domain (not a singular point: the op is undefined there)
+_OUTSIDE_DOMAIN = (" of a negative value", " beyond ±1", " of a value below 1", "at or below -1")
+
+
 def _singular(base: str, kind: str, ops: tuple[Operand, ...]) -> tuple[str, str] | None:
     """(because, what) when an operand sits at the op's singular point (module docstring, rule 4)."""
     tensors = [o for o in ops if not o.is_scalar] or list(ops)
@@ -676,6 +709,9 @@ def _singular(base: str, kind: str, ops: tuple[Operand, ...]) -> tuple[str, str]
                 f"its denominator {den.name} holds {'0' if den.is_scalar else f'{den.n_zero} zero(s)'}",
                 what,
             )
+    if base in ("fmod", "remainder") and kind == "nan" and len(ops) > 1 and ops[1].zeros:
+        d = ops[1]
+        return f"its divisor {d.name} holds {'0' if d.is_scalar else f'{d.n_zero} zero(s)'}", "x mod 0"
     empty = bool(tensors) and tensors[0].numel == 0
     if base in ("mean", "nanmean", "var", "std", "var_mean", "std_mean") and kind == "nan" and empty:
         return f"its operand {tensors[0].name} holds no elements", "a mean over zero elements (0/0)"
@@ -693,6 +729,21 @@ def _singular(base: str, kind: str, ops: tuple[Operand, ...]) -> tuple[str, str]
     if base == "sqrt" and kind == "nan" and tensors and tensors[0].negatives:
         x = tensors[0]
         return f"its operand {x.name} holds {x.n_neg} negative value(s)", "sqrt of a negative value"
+    if base in _UNIT_DOMAIN and tensors:
+        x = tensors[0]
+        if kind == "nan" and x.absmax > 1:
+            return (
+                f"its operand {x.name} holds values beyond ±1 (absmax {num(x.absmax)})",
+                f"{base} of a value beyond ±1",
+            )
+        if base in ("atanh", "arctanh", "erfinv", "special_erfinv") and kind != "nan" and x.absmax == 1:
+            return f"its operand {x.name} holds ±1 (absmax 1)", f"{base} of ±1"
+    if base in ("acosh", "arccosh") and kind == "nan" and tensors and tensors[0].negatives:
+        x = tensors[0]
+        return (
+            f"its operand {x.name} holds {x.n_neg} negative value(s) (acosh needs x ≥ 1)",
+            f"{base} of a value below 1",
+        )
     if base in ("pow", "rpow") and len(ops) >= 2:
         b, e = (ops[0], ops[1]) if base == "pow" else (ops[1], ops[0])
         if kind != "nan" and b.zeros and e.negatives:
@@ -701,7 +752,7 @@ def _singular(base: str, kind: str, ops: tuple[Operand, ...]) -> tuple[str, str]
         if kind == "nan" and b.negatives and (frac or not e.is_scalar):
             return (
                 f"its base {b.name} holds negative values under a fractional exponent",
-                "a fractional power of a negative value",
+                "a fractional power of a negative value",  # ends like _OUTSIDE_DOMAIN's first
             )
     return None
 
@@ -772,7 +823,7 @@ def _classify_op(
             f"finite operands{shown} gave a result beyond {num(dtype_max(dtype))}",
             f"{base} beyond {dtype}'s max",
         )
-    return "invalid", "finite operands gave NaN", "an invalid operation"
+    return "invalid", "finite operands gave NaN", "NaN from finite operands"
 
 
 def _classify_call(view: RunView, ov: Overflow, kind: str, beyond: bool) -> tuple[str, str, str]:
@@ -1025,6 +1076,7 @@ _VERBS = {
     "invalid": "made {kind} by an invalid operation: {what} ({dtype})",
     "mask_arithmetic": "made {kind} by mask arithmetic: {what} ({dtype})",
 }
+_DOMAIN_VERB = "went outside its domain: {what} gave {kind} ({dtype})"
 
 
 def headline(ov: Overflow, ev: OpEvidence | None, limit: int = 160) -> str:
@@ -1043,7 +1095,8 @@ def headline(ov: Overflow, ev: OpEvidence | None, limit: int = 160) -> str:
         else:
             line = f"{where}: {module_label(ov.module)} `{ov.tensor}` held {words} ({ov.dtype})"
         return _fit(line, limit)
-    what = _VERBS[ev.op_class].format(dtype=ev.dtype, kind=KIND_WORDS[ev.raw_kind], what=ev.what)
+    verb = _DOMAIN_VERB if ev.outside_domain else _VERBS[ev.op_class]
+    what = verb.format(dtype=ev.dtype, kind=KIND_WORDS[ev.raw_kind], what=ev.what)
     if ev.what == WEIGHTS_HELD:
         what = f"computed {KIND_WORDS[ev.raw_kind]} from its own non-finite weights ({ev.dtype})"
     op = f" (`{ev.op}`)" if ev.op is not None else f" ({ov.module_type})"
@@ -1053,6 +1106,12 @@ def headline(ov: Overflow, ev: OpEvidence | None, limit: int = 160) -> str:
 
 def _fit(line: str, limit: int) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _arg_absmax(ev: OpEvidence) -> float:
+    """The absmax of the op's first tensor operand (NaN when none was recorded)."""
+    t = [o for o in ev.operands if not o.is_scalar]
+    return t[0].absmax if t else math.nan
 
 
 def _matmul_advice(ev: OpEvidence, name: str) -> list[str]:
@@ -1078,9 +1137,22 @@ def _matmul_advice(ev: OpEvidence, name: str) -> list[str]:
     ]
 
 
-def class_advice(ev: OpEvidence, module: str) -> list[str]:
+def scaled_run(view: RunView) -> bool:
+    """The run recorded a loss scale (a GradScaler): advice may then say what a lower scale does."""
+    steps = view.steps
+    return bool(len(steps)) and "scale" in steps.columns and bool(steps["scale"].notna().any())
+
+
+def _not_overflow(scaled: bool, dtype_helps: str) -> str:
+    """The closing line of a singular or invalid op's advice: what the loss scale (only in a run with one) and
+    a wider dtype do."""
+    scale = "a lower loss scale does not remove it, and " if scaled else ""
+    return f"Not an overflow: {scale}{dtype_helps}."
+
+
+def class_advice(ev: OpEvidence, module: str, *, scaled: bool = False) -> list[str]:
     """The fixes that follow from the class and the operands (none for ``overflow``/``cast``: the caller's
-    advice on dtypes and weights applies there)."""
+    advice on dtypes and weights applies there); ``scaled``: the run has a loss scale (:func:`scaled_run`)."""
     name, base = module_label(module), _base(ev.op) if ev.op else ""
     out: list[str] = []
     if ev.hook is not None:
@@ -1094,8 +1166,26 @@ def class_advice(ev: OpEvidence, module: str) -> list[str]:
                 f"The constant {v:g} is 0 in {d}: use an eps {d} can hold (at least {num(_tiny(d))}; e.g. 1e-5), "
                 "or compute this op in float32."
             )
+        op = f"`{ev.op}`" if ev.op else "the op"
         if base in ("div", "rdiv", "reciprocal"):
             out.append(f"In {name}: keep the denominator away from 0: `x / (d + eps)` or `d.clamp_min(eps)`.")
+        elif base in ("fmod", "remainder"):
+            out.append(
+                f"In {name}: keep the divisor of {op} away from 0 (`d.clamp_min(eps)`, or skip the entries where it "
+                "is 0)."
+            )
+        elif ev.what.endswith(" of ±1"):
+            out.append(
+                f"In {name}: {op} is infinite at ±1: clamp its argument inside (-1, 1) first "
+                "(`x.clamp(-1 + eps, 1 - eps)`)."
+            )
+        elif base in ("pow", "rpow") and ev.what == "a fractional power of a negative value":
+            out.append(
+                f"In {name}: a fractional power is undefined for a negative base: make the base non-negative "
+                "before it (`x.clamp_min(0) ** p`, or `x.abs() ** p * x.sign()` for an odd root)."
+            )
+            out.append(_not_overflow(scaled, "a wider dtype does not remove it"))
+            return out
         elif base in ("pow", "rpow"):
             out.append(
                 f"In {name}: clamp the base away from 0 before a negative power (`x.clamp_min(eps) ** p`)."
@@ -1105,16 +1195,39 @@ def class_advice(ev: OpEvidence, module: str) -> list[str]:
                 f"In {name}: `{ev.op}` reduced an empty selection; skip it when nothing is selected, or sum and "
                 "divide by the count clamped to 1 (`x.sum(0) / n.clamp_min(1)`)."
             )
-            out.append("Not an overflow: a lower loss scale or a wider dtype does not remove it.")
+            out.append(_not_overflow(scaled, "a wider dtype does not remove it"))
+            return out
+        elif ev.what.endswith(" beyond ±1"):
+            out.append(
+                f"In {name}: {op} is defined on [-1, 1] only, and its argument reached {num(_arg_absmax(ev))}: "
+                "clamp it first (`x.clamp(-1 + eps, 1 - eps)`; a cosine or a normalised value can round past 1)."
+            )
+            out.append(
+                _not_overflow(scaled, "a wider dtype rounds less but does not remove it without the clamp")
+            )
+            return out
+        elif ev.what.endswith(" of a negative value") and base in ("sqrt", "rsqrt"):
+            out.append(
+                f"In {name}: {op} got negative values. If its argument is a variance or a squared norm, which is "
+                "never negative in exact arithmetic, the negative comes from cancellation in a difference such as "
+                "E[x²] − E[x]²: compute it from deviations (`((x - x.mean()) ** 2).mean()`, `torch.var`) or in "
+                "float32. Otherwise clamp it first (`x.clamp_min(0)`, with an eps inside a sqrt whose gradient "
+                "you need)."
+            )
+            out.append(_not_overflow(scaled, "a wider dtype helps only where it removes the cancellation"))
+            return out
+        elif ev.outside_domain:
+            out.append(
+                f"In {name}: the argument of {op} left its domain ({ev.what}): clamp it into the domain first "
+                "(`x.clamp_min(eps)` for a log), or find what put it there."
+            )
+            out.append(_not_overflow(scaled, "a wider dtype does not remove it"))
             return out
         else:
-            op = f"`{ev.op}`" if ev.op else "the op"
             out.append(
                 f"In {name}: keep the argument of {op} away from 0 and negatives (`x.clamp_min(eps)`, or add eps inside)."
             )
-        out.append(
-            "Not an overflow: a lower loss scale does not remove it, and a wider dtype only with an eps it can hold."
-        )
+        out.append(_not_overflow(scaled, "a wider dtype does not remove it, unless with an eps it can hold"))
     elif ev.op_class == "invalid" and ev.what == WEIGHTS_HELD:
         frozen = any(o.frozen and o.held_weight for o in ev.operands)
         writers = (
@@ -1128,13 +1241,21 @@ def class_advice(ev: OpEvidence, module: str) -> list[str]:
         )
     elif ev.op_class == "invalid":
         held_inf = any(o.posinf or o.neginf for o in ev.operands) or ev.because == _HELD_INF
-        out.append(
-            f"In {name}: an operand already held inf ({ev.what}); find where that inf was made and compute it in "
-            "float32, or mask/clamp before this op."
-            if held_inf
-            else f"Find the invalid op in {name}'s forward (0/0, 0·inf, inf − inf, sqrt/log of a negative): add "
-            "eps to denominators and clamp arguments of sqrt/log."
-        )
+        if held_inf:
+            out.append(
+                f"In {name}: an operand already held inf ({ev.what}); find where that inf was made and compute it "
+                "in float32, or mask/clamp before this op."
+            )
+        elif ev.op is not None:
+            out.append(
+                f"In {name}: `{ev.op}` gave NaN from the finite operands above: keep them inside its domain (clamp "
+                "them first), or compute it in float32 if an intermediate overflowed."
+            )
+        else:
+            out.append(
+                f"Find the invalid op in {name}'s forward (0/0, 0·inf, inf − inf, sqrt/log of a negative): add "
+                "eps to denominators and clamp arguments of sqrt/log."
+            )
     elif ev.op_class == "mask_arithmetic":
         if base in _ARITH - {"masked_fill", "where", "fill"}:  # the mask was added or multiplied in
             out.append(

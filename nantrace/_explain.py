@@ -16,6 +16,8 @@ import torch
 
 from ._errors import NantraceError
 from ._evidence import (
+    KEPT_DERIVATIVE,
+    KEPT_DERIVATIVE_FIX,
     WEIGHTS_HELD,
     OpEvidence,
     class_advice,
@@ -23,6 +25,7 @@ from ._evidence import (
     loss_advice,
     mean_over_nothing,
     op_evidence,
+    scaled_run,
     weights_beyond_event,
     written_facts,
 )
@@ -287,18 +290,23 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
         return [
             f"{head}, from {finite_in}: {oe.because.replace('its own parameter', 'its parameter', 1)}.",
             *facts[1:],  # the operand lines (the first names the op, said above)
-            *class_advice(oe, module),
+            *class_advice(oe, module, scaled=scaled_run(view)),
         ]
     leak = inputs_had_inf and ev.raw_kind != "nan"  # the -inf of a mask/bias input went on into values
     if oe.op_class in ("singular", "invalid", "mask_arithmetic") and oe.op is not None and not leak:
         return [
             f"{head}, from inputs of finite absmax {in_absmax}: {oe.what}.",
             *facts,
-            *class_advice(oe, module),
+            *class_advice(oe, module, scaled=scaled_run(view)),
         ]
     if ev.raw_kind == "nan":
         cause = _forward_nan_cause(view, ev, inputs_had_inf, own_code)
-        return [f"{head}, {cause}.", f"Finite input absmax {in_absmax}.", *facts, *class_advice(oe, module)]
+        return [
+            f"{head}, {cause}.",
+            f"Finite input absmax {in_absmax}.",
+            *facts,
+            *class_advice(oe, module, scaled=scaled_run(view)),
+        ]
     if leak:  # the -inf of a mask/bias input went on into values that are not a mask
         masks = _mask_inputs(ev.step_rows, micro)
         src = f"the -inf of the mask/bias input(s) {masks}" if masks else "an inf its inputs already held"
@@ -312,7 +320,9 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
         ]
     limit = f"{dtype} overflows above {num(dmax)} (torch.finfo(torch.{dtype}).max)"
     climb = _climb(_local(view), module, step)
-    extra = class_advice(oe, module)  # a reduction's or a matmul's own fix, from its operands
+    extra = class_advice(
+        oe, module, scaled=scaled_run(view)
+    )  # a reduction's or a matmul's own fix, from its operands
     if oe.op_class == "reduction" or oe.hook is not None:  # a hook's op: fixing the hook is the advice
         advice = extra
     elif dtype_max(dtype) >= dtype_max(
@@ -391,8 +401,11 @@ def _loss(ev: Event) -> str:
 
 def _backward_tail(ev: Event, scale: float, name: str) -> str:
     if ev.raw_kind == "nan":
+        scaled = " (a lower loss scale does not remove it)" if scale != 1.0 and not math.isnan(scale) else ""
+        if ev.op is None:  # no forward value was discarded: a derivative at a value the forward kept
+            return f" Not an overflow{scaled}: {KEPT_DERIVATIVE} {KEPT_DERIVATIVE_FIX}"
         return (
-            " Not an overflow (a lower loss scale does not remove it): an op whose derivative is not finite at "
+            f" Not an overflow{scaled}: an op whose derivative is not finite at "
             "the values it saw (inf for log/log1p or sqrt at 0 and x/0, NaN for sqrt/log of a negative) under a "
             "torch.where/mask that discards its result still sends 0·inf or 0·NaN = NaN back. Make its input safe "
             "before the op, or clamp it away from the singular point."
