@@ -155,8 +155,59 @@ def _diverging(run: Facts, ev: Overflow) -> bool:
 
 
 def _divergence(run: Facts, ev: Overflow) -> Diagnosis:
-    return c.divergence_diagnosis(
-        run, ev, divergence(run, ev.step, ev.module if ev.phase == "forward" else None)
+    div = divergence(run, ev.step, ev.module if ev.phase == "forward" else None)
+    # the backoff of ev's own run of skips is told by _with_backoff: only the runs before it here
+    return _divergence_led_to(run, ev, div, before_run=True)
+
+
+def _divergence_led_to(
+    run: Facts, ev: Overflow | None, div: DivergenceFacts, before_run: bool = False
+) -> Diagnosis:
+    """The divergence diagnosis naming ``ev``, with a line saying what the earlier overflows were when ``ev`` is
+    not the first (:func:`_earlier_backoffs`)."""
+    d = c.divergence_diagnosis(run, ev, div)
+    line = _earlier_backoffs(run, ev, before_run) if ev is not None else None
+    return d if line is None else replace(d, evidence=[*d.evidence[:1], line, *d.evidence[1:]])
+
+
+def _earlier_backoffs(run: Facts, ev: Overflow, before_run: bool) -> str | None:
+    """Evidence for a divergence that names a later overflow than the trace's first: the scale-dependent
+    overflows before ``ev`` (before its own run of skipped steps when ``before_run``) were GradScaler backoffs,
+    with their steps, producers and loss scales, and the steps trained after them; None when there are none."""
+    until = (run.skip_run(ev.step)[0], -1) if before_run else (ev.step, ev.micro_step)
+    before = [b for b in run.events if (b.step, b.micro_step) < until and run.scale_dependent(b)]
+    if not before:
+        return None
+    groups: dict[tuple[str, str], list[int]] = {}
+    for b in before:
+        at = groups.setdefault((c.producer_text(b), b.kind), [])
+        if b.step not in at:
+            at.append(b.step)
+    parts = []
+    for (producer, kind), at in groups.items():
+        lo, hi = num(run.scale.get(at[0], math.nan)), num(run.scale.get(at[-1], math.nan))
+        scales = f"loss scale {lo}" if len(at) == 1 else f"loss scales {lo} → {hi}"
+        parts.append(
+            f"at step{'s' if len(at) > 1 else ''} {steps_text(at)} {producer} overflowed ({kind}) at {scales}"
+        )
+    steps = sorted({b.step for b in before})
+    trained = [s for s in run.step_ids if steps[-1] < s < ev.step and run.skipped.get(s) is False]
+    went_on = (
+        f", and training went on at step{'s' if len(trained) > 1 else ''} {steps_text(trained)}"
+        if trained
+        else ""
+    )
+    many = len(steps) > 1
+    first = (
+        (" (the first is what first_overflow() names)" if many else " (what first_overflow() names)")
+        if run.events and before[0] is run.events[0]
+        else ""
+    )
+    lowered = all(run.next_scale.get(s, math.nan) < run.scale.get(s, math.nan) for s in steps)
+    return (
+        f"before it, step{'s' if many else ''} {steps_text(steps)} {'were' if many else 'was'} GradScaler "
+        f"backoff{'s' if many else ''}{first}: {'; '.join(parts)}; the GradScaler skipped "
+        f"{'those steps' if many else 'the step'}{' and lowered the scale' if lowered else ''}{went_on}"
     )
 
 
@@ -216,7 +267,7 @@ def _judge_skip_run(
     dependent = [e for e in run.events if run.scale_dependent(e) and e.step < until]
     div = divergence(run, dependent[-1].step + 1, None)
     if div.found:
-        return c.divergence_diagnosis(run, _led_to(dependent, div), div)
+        return _divergence_led_to(run, _led_to(dependent, div), div)
     return sc.collapse(run, in_run[-1], skip_run, then=fault)
 
 
@@ -420,7 +471,7 @@ def _without_fault(run: Facts, benign: list[Overflow], world_size: int | None) -
     if benign:
         div = divergence(run, benign[-1].step + 1, None)
         if div.found:  # backoffs that keep coming back while everything grows
-            return c.divergence_diagnosis(run, _led_to(benign, div), div)
+            return _divergence_led_to(run, _led_to(benign, div), div)
     last = run.step_ids[-1] + 1 if run.step_ids else 0
     quiet = divergence(
         run,

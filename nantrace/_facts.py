@@ -30,7 +30,7 @@ from ._diagnosis import (
     UNHEALTHY_UPDATE_RATIO,
 )
 from ._explain import first_after, overflows
-from ._fmt import module_label, num
+from ._fmt import module_label, num, steps_text
 from ._masks import is_mask
 from ._overflow import Overflow
 from ._schema import DType
@@ -426,6 +426,8 @@ class Trend:
     first: float = math.nan
     last: float = math.nan
     n: int = 0
+    steps: tuple[int, ...] = ()  # the steps the trend was read at
+    n_rising: int = 0  # how many of its step-to-step changes rose
 
 
 def trend(series: pd.Series, window: int = DIVERGENCE_WINDOW) -> Trend:
@@ -434,8 +436,43 @@ def trend(series: pd.Series, window: int = DIVERGENCE_WINDOW) -> Trend:
         return Trend(n=len(s))
     v = s.to_numpy(dtype=np.float64)
     growth = v[-1] / v[0] if v[0] > 0 else math.inf if v[-1] > 0 else math.nan
-    rising = float(np.mean(np.diff(v) > 0))
-    return Trend(growth, rising, int(s.index[0]), int(s.index[-1]), float(v[0]), float(v[-1]), len(s))
+    up = int(np.sum(np.diff(v) > 0))
+    steps = tuple(int(i) for i in s.index)
+    return Trend(growth, up / (len(v) - 1), steps[0], steps[-1], float(v[0]), float(v[-1]), len(s), steps, up)
+
+
+def span_words(run: Facts, t: Trend, read: str = "recorded") -> tuple[str, str]:
+    """``(where, rising)`` words for the trend ``t`` of a per-step series over steps ``t.first_step``–
+    ``t.last_step``: ``""`` and ``"rising in 100% of the steps"`` when it was read at every recorded step from
+    its first to its last; else the steps it was read at (``"read at the 4 steps that ran on new weights (0–2,
+    7)"``), its rises counted over the changes between them, and why the other steps are left out. ``read``:
+    ``"fresh"`` for a series read only at the steps that ran on new weights (a step after one the GradScaler
+    skipped runs on that step's weights), ``"applied"`` for one recorded only where an update was applied
+    (weights after ``optimizer.step()``), ``"recorded"`` otherwise."""
+    steps, first, last = list(t.steps), t.first_step, t.last_step
+    between = [s for s in run.step_ids if first <= s <= last]
+    if steps == between:
+        return "", f"rising in {t.rising:.0%} of the steps"
+    seen = set(steps)
+    left = [i for i, s in enumerate(between) if s not in seen]
+    rising = f"rising in {t.n_rising} of the {len(steps) - 1} changes between them"
+    if read == "fresh":
+        reused = [between[i] for i in left if i and run.skipped.get(between[i - 1]) is True]
+        if reused:
+            return (
+                f"read at the {len(steps)} steps that ran on new weights ({steps_text(steps)})",
+                f"{rising}; step{'s' if len(reused) > 1 else ''} {steps_text(reused)} ran on the weights of the "
+                f"step before {'them' if len(reused) > 1 else 'it'}, whose update the GradScaler skipped",
+            )
+    if read == "applied":
+        skipped = [between[i] for i in left if run.skipped.get(between[i]) is True]
+        if skipped:
+            return (
+                f"recorded at the {len(steps)} steps whose update was applied ({steps_text(steps)})",
+                f"{rising}; the GradScaler skipped the update{'s' if len(skipped) > 1 else ''} of "
+                f"step{'s' if len(skipped) > 1 else ''} {steps_text(skipped)}",
+            )
+    return f"recorded at the {len(steps)} steps {steps_text(steps)}", rising
 
 
 @dataclass
@@ -502,10 +539,12 @@ def data_growth_words(run: Facts, step: int) -> tuple[str, str] | None:
     t = _growth(series)
     if t is None:
         return None
+    where, rose = span_words(run, t)
     grew = f"×{num(t.growth)} over steps {t.first_step}–{t.last_step}"
     return (
-        f"the model's inputs (phase data) grew {grew} (absmax {num(t.first)} → {num(t.last)}), rising in "
-        f"{t.rising:.0%} of the steps",
+        f"the model's inputs (phase data) grew {grew} (absmax {num(t.first)} → {num(t.last)})"
+        + (f", {where}" if where else "")
+        + f", {rose}",
         f"The model's inputs grow step after step ({grew}): if they are not meant to, normalise them where they "
         "are made (divide by a running mean and std, or clip them); what the model computes from them grows "
         "with them.",
@@ -717,12 +756,13 @@ def divergence(
         return DivergenceFacts(False, [])
     if quiet and not (loss_ok and params_ok):
         return DivergenceFacts(False, [])
+    where, rose = span_words(run, t, "fresh")
+    over = f"over steps {t.first_step}–{t.last_step}" + (f", {where}" if where else "")
     ev = [
-        f"{who} absmax grew {num(t.first)} → {num(t.last)} (×{num(t.growth)}) over steps "
-        f"{t.first_step}–{t.last_step}, rising in {t.rising:.0%} of the steps"
+        f"{who} absmax grew {num(t.first)} → {num(t.last)} (×{num(t.growth)}) {over}, {rose}"
         if act_ok
-        else f"{who} absmax went {num(t.first)} → {num(t.last)} (×{num(t.growth)}) over steps "
-        f"{t.first_step}–{t.last_step}: the recorded activations did not grow with the loss"
+        else f"{who} absmax went {num(t.first)} → {num(t.last)} (×{num(t.growth)}) {over}: the recorded "
+        "activations did not grow with the loss"
     ]
     if lt is not None:
         verb = "rose" if lt.last > lt.first else "went"
@@ -750,7 +790,8 @@ def divergence(
             steady = False
             shape = f", most of it in one jump ×{num(jump)} from step {a} to step {b}"
         elif steady:
-            shape = f", rising in {wt.rising:.0%} of the steps"
+            where, rose = span_words(run, wt, "applied")
+            shape = f", {where}, {rose}" if where else f", {rose}"
         ev.append(
             f"weight absmax went {num(wt.first)} (step {wt.first_step}) → {num(wt.last)} (step {wt.last_step}) "
             f"(×{num(wt.growth)}){shape}"

@@ -1027,3 +1027,96 @@ def test_a_collapse_in_a_parameterless_backward_fed_small_gradients_is_an_inf_fa
         "remove it; find the op with nantrace.hunt(step_fn)."
     )
     assert not any("bfloat16" in a or "float32 (autocast disabled" in a for a in d.advice)
+
+
+# ------------------------------------------------------------------------------------------ new-user check 3
+def _lr_divergence_with_a_scaler() -> nantrace.Trace:
+    """SGD lr=2 on a linear regression under float16 autocast with a GradScaler (init 256): the gradient at the
+    outputs overflows at steps 2–5 (backoffs, step 6 trains), the weights keep growing, and the divergence
+    names the overflow of step 7 (new-user check, N10)."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=2.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    with nantrace.trace(m, scaler=scaler, optimizer=opt) as tr:
+        for step in range(30):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(8, 4, generator=g) + 1.0
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ((m(x).float() - x.sum(1, keepdim=True)) ** 2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return tr
+
+
+def test_a_divergence_read_at_fresh_steps_names_them_and_the_backoffs_before_its_overflow() -> None:
+    """The output absmax is read only at the steps that ran on new weights (0, 1, 2, 7): the sentence names them
+    and counts the rises between them (the steps 3–6 it leaves out fell twice); the overflow it names (step 7)
+    is later than first_overflow() (step 2), and a line says steps 2–5 were backoffs."""
+    tr = _lr_divergence_with_a_scaler()
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase) == (2, "loss")
+    d = tr.diagnose()
+    assert d.cause == "divergence" and d.overflow is not None and d.overflow.step == 7
+    out = tr.records[(tr.records["phase"] == "forward") & (tr.records["tensor"] == "output")]
+    assert [num(v) for v in out["absmax"].iloc[:8]] == [
+        "1.683",
+        "149.2",
+        "2318",
+        "2186",
+        "1984",
+        "2472",
+        "2044",
+        "41600",
+    ]
+    assert d.evidence[1] == (
+        "before it, steps 2–5 were GradScaler backoffs (the first is what first_overflow() names): at steps 2–3 "
+        "the loss gradient arriving at the model's outputs overflowed (inf) at loss scales 256 → 128; at steps "
+        "4–5 the backward of the root model (Linear) `weight.grad` overflowed (inf) at loss scales 64 → 32; the "
+        "GradScaler skipped those steps and lowered the scale, and training went on at step 6"
+    )
+    assert d.evidence[2] == (
+        "forward output absmax grew 1.683 → 41600 (×2.472e+04) over steps 0–7, read at the 4 steps that ran on "
+        "new weights (0, 1, 2, 7), rising in 3 of the 3 changes between them; steps 3–6 ran on the weights of "
+        "the step before them, whose update the GradScaler skipped"
+    )
+
+
+def test_weights_recorded_only_at_applied_updates_say_so() -> None:
+    """Step 2 is skipped (no weights written, step 3 runs on step 2's weights): the output sentence reads steps
+    0, 1, 2, 4 and the weight sentence the four steps whose update was applied."""
+    rows: list[dict[str, object]] = []
+    for s, w in enumerate([1.0, 1.5, None, 2.25, 3.5]):
+        rows.append(
+            {"step": s, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 10.0 * 4**s}
+        )
+        if w is not None:
+            rows.append(
+                {
+                    "step": s,
+                    "phase": "optimizer",
+                    "module": "fc",
+                    "tensor": "weight",
+                    "absmax": w,
+                    "dtype": "float32",
+                }
+            )
+    rows.append(
+        {"step": 5, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 1.0, "n_posinf": 3}
+    )
+    steps = conftest.steps_frame(
+        [{"step": s, "loss": 2.0 * 3**s, "lr": 0.1, "scale": 1024.0, "skipped": s == 2} for s in range(6)]
+    )
+    d = diagnose(conftest.frame_view(conftest.records_frame(rows), steps))
+    assert d.cause == "divergence"
+    assert (
+        "`fc` output absmax grew 10 → 2560 (×256) over steps 0–4, read at the 4 steps that ran on new weights "
+        "(0, 1, 2, 4), rising in 3 of the 3 changes between them; step 3 ran on the weights of the step before "
+        "it, whose update the GradScaler skipped"
+    ) in d.evidence
+    assert (
+        "weight absmax went 1 (step 0) → 3.5 (step 4) (×3.5), recorded at the 4 steps whose update was applied "
+        "(0, 1, 3, 4), rising in 3 of the 3 changes between them; the GradScaler skipped the update of step 2"
+    ) in d.evidence
