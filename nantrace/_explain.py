@@ -432,7 +432,56 @@ def _discarded(ev: Event) -> str:
     )
 
 
+def _carried_grad(view: RunView, ev: Event) -> str | None:
+    """The explanation of a ``.grad`` that already held the value before this step's backward added to it, or
+    None. It needs the step's ``stale_grads`` count above 0 (some ``.grad`` held inf/NaN when the backward
+    began) and finite incoming gradients of the module; the ``.grad`` of the same parameter recorded at an
+    earlier step holding the kind names when it came in."""
+    f = ev.fields
+    tensor, step, module = str(f["tensor"]), int(f["step"]), str(f["module"])
+    steps = view.steps
+    if not tensor.endswith(".grad") or "stale_grads" not in steps.columns:
+        return None
+    here = steps[steps["step"].to_numpy() == step]
+    if not len(here) or not float(here["stale_grads"].iloc[0]) > 0:
+        return None
+    step_df = ev.step_rows
+    gout = step_df[
+        (step_df["micro_step"] == f["micro_step"])
+        & (step_df["phase"].astype(str).isin(["backward", "loss"]))
+        & (step_df["module"].astype(str) == module)
+        & step_df["tensor"].astype(str).str.startswith("grad_output")
+    ]
+    if not len(gout) or int(gout[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum()):
+        return None
+    rec = view.records
+    col = "n_nan" if ev.raw_kind == "nan" else f"n_{ev.raw_kind}"
+    earlier = rec[
+        (rec["step"].to_numpy() < step)
+        & (rec["phase"].astype(str).to_numpy() == "backward")
+        & (rec["module"].astype(str).to_numpy() == module)
+        & (rec["tensor"].astype(str).to_numpy() == tensor)
+        & (rec[col].to_numpy() > 0)
+    ]
+    n = int(float(here["stale_grads"].iloc[0]))
+    name, what = module_label(module), KIND_WORDS[ev.raw_kind]
+    since = f" It held {what} at step {int(earlier['step'].max())} already." if len(earlier) else ""
+    return (
+        f"step {step} backward: `{tensor}` of {name} already held {what} before this step's backward ({f['dtype']})\n"
+        f"At {_where(ev)}, the `.grad` of {n} parameter(s) already held inf/NaN when the backward began "
+        f"(steps.stale_grads), and the gradients arriving at {name} were finite (grad_output absmax "
+        f"{num(finite_absmax(gout))}): this backward added finite values to a `.grad` that was not reset, it did "
+        f"not make the {what}.{since}\n"
+        "Reset the gradients every step: `optimizer.zero_grad()` resets only the optimizer's own parameters, "
+        "`model.zero_grad()` every parameter of the model; and find the step that first made the value: "
+        "tr.first_overflow()."
+    )
+
+
 def _backward(view: RunView, ev: Event) -> str:
+    carried = _carried_grad(view, ev)
+    if carried is not None:
+        return carried
     ov = Overflow(**ev.fields)
     return headline(ov, op_evidence(view, ov)) + "\n" + _backward_body(ev)
 
