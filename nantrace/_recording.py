@@ -506,6 +506,7 @@ class Recording:
         """Once per recording: an optimizer without a GradScaler closed a step in which no loss was seen."""
         if (
             self.warned_no_loss
+            or self.exiting  # the step is closed by the exit of `with`, not by optimizer.step()
             or self.scaler is not None
             or self.optimizer is None
             or self.rec.pending.losses

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -50,6 +51,21 @@ def test_optimizer_without_scaler_and_no_loss_warns_once_and_reports_not_recorde
     ]
     assert "loss: not recorded (no scaler.scale(loss) or tr.step(loss=...) was seen)" in summary_lines(tr)
     assert repr(tr).splitlines()[0] == "<nantrace.Trace of TwoLinear: 3 steps, 66 records, no GradScaler>"
+
+
+@pytest.mark.parametrize("make", [nantrace.trace, nantrace.watch], ids=["trace", "watch"])
+def test_a_step_closed_by_an_exception_does_not_warn_that_it_ended_at_optimizer_step(make: Any) -> None:
+    """The loop raised before optimizer.step(): the exit of `with` closes the step, and no warning says that
+    optimizer.step() ended it (found by the new-user check)."""
+    model = TwoLinear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(KeyboardInterrupt), make(model, optimizer=opt) as tr:
+            opt.zero_grad()
+            model(torch.ones(1, 4)).sum().backward()
+            raise KeyboardInterrupt
+    assert list(tr.steps["step"]) == [0]
 
 
 def test_no_warning_when_the_loop_gives_its_loss() -> None:
