@@ -21,7 +21,7 @@ from ._facts import Facts, data_growth_words, unchanged_weights_loss_words, upda
 from ._fmt import module_label, num, steps_text
 from ._overflow import Overflow
 from ._ranges import finite_absmax, headroom_table, own_parameters
-from ._schema import FP16_MAX, FP16_SMALLEST_NORMAL, dtype_max
+from ._schema import FP16_MAX, FP16_SMALLEST_NORMAL, FP16_SMALLEST_SUBNORMAL, dtype_max
 
 __all__ = [
     "backoff",
@@ -308,6 +308,17 @@ def underflow(run: Facts) -> Diagnosis | None:
     flushed = (amax < FP16_SMALLEST_NORMAL) | (
         (zero_frac >= UNDERFLOW_ZERO_FRACTION) & (amax < UNDERFLOW_SMALL_ABSMAX)
     )
+    all_zeros, all_numel = zeros.sum(), numel.sum()  # the overall share, before any row is left out
+    exact = _exact_zeros(run, g) & (zeros >= numel)
+    if exact.any():  # proven exactly 0 (cancellation), not flushed: out of the verdict
+        keep = ~exact
+        exact_names = (
+            g["module"].astype(str) + "." + g["tensor"].astype(str).str.removesuffix(".grad")
+        ).to_numpy()[exact]
+        g, numel, zeros, absmax = g[keep], numel[keep], zeros[keep], absmax[keep]
+        zero_frac, flushed = zero_frac[keep], flushed[keep]
+        if not len(g):
+            return None
     frac = float(flushed.mean())
     if frac < UNDERFLOW_FRACTION:
         return None
@@ -321,10 +332,21 @@ def underflow(run: Facts) -> Diagnosis | None:
         f"{len(set(g['step'].tolist()))} steps) were flushed: largest |g| below float16's smallest normal "
         f"{num(FP16_SMALLEST_NORMAL)} (every value subnormal or 0), or below {num(UNDERFLOW_SMALL_ABSMAX)} with "
         f"≥{UNDERFLOW_ZERO_FRACTION:.0%} zeros",
-        f"overall {zeros.sum() / max(numel.sum(), 1):.0%} of parameter-gradient elements were exactly 0",
+        f"overall {all_zeros / max(all_numel, 1):.0%} of parameter-gradient elements were exactly 0",
         scale_text,
     ]
     evidence += _flushed_lines(names, zero_frac, absmax, flushed)
+    if exact.any():
+        left = sorted(set(exact_names.tolist()))
+        shown = ", ".join(f"`{n}.grad`" for n in left[:3]) + (
+            f" and {len(left) - 3} more" if len(left) > 3 else ""
+        )
+        evidence.append(
+            f"left out as exactly 0, not flushed: {shown} ({int(exact.sum())} all-zero tensors): every product of "
+            "a non-zero value of the gradient arriving at their module and of its input is at least float16's "
+            f"smallest subnormal {num(FP16_SMALLEST_SUBNORMAL)}, so none rounds to 0; their zeros are sums that "
+            "cancel"
+        )
     fp16_grads = r[(run.phase == "backward") & (dt == "float16")]
     if len(fp16_grads):
         evidence.append(f"largest float16 gradient anywhere: {num(finite_absmax(fp16_grads))}")
@@ -373,6 +395,30 @@ def underflow(run: Facts) -> Diagnosis | None:
     return Diagnosis("gradient_underflow", None, evidence, advice, summary, headline=headline[:HEADLINE_MAX])
 
 
+def _exact_zeros(run: Facts, g: pd.DataFrame) -> np.ndarray:
+    """Per parameter-gradient row of ``g``: its zeros are proven exact, not flushed. Its module is a leaf (no
+    recorded module inside it, so its parameters' gradients are sums of products of the gradient arriving at
+    its output and of its input, or of that gradient alone), and at that step the smallest non-zero |value| of
+    the gradient arriving at it (``grad_output``) times the smallest non-zero |value| of its input is at least
+    float16's smallest subnormal: no product rounds to 0, and a sum of non-zero float16 values is 0 only when
+    they cancel. False where a row it needs was not recorded or holds inf/NaN."""
+    r = run.records
+    modules = set(r["module"].astype(str).tolist())
+    out = np.zeros(len(g), dtype=bool)
+    for i, (step, module) in enumerate(
+        zip(g["step"].tolist(), g["module"].astype(str).tolist(), strict=True)
+    ):
+        if any(m != module and m.startswith(f"{module}." if module else "") for m in modules):
+            continue  # a composite module: its parameters' gradients pass through ops inside it
+        at = (run.step == int(step)) & (run.module == module) & ~run.nonfinite
+        grad = r[at & (run.phase == "backward") & run.starts("grad_output")]
+        inp = r[at & (run.phase == "forward") & run.starts("input")]
+        gmin = float(grad["absmin"].min()) if len(grad) else math.nan
+        xmin = float(inp["absmin"].min()) if len(inp) else math.nan
+        out[i] = bool(gmin * xmin >= FP16_SMALLEST_SUBNORMAL)
+    return out
+
+
 def _flushed_lines(
     names: np.ndarray, zero_frac: np.ndarray, absmax: np.ndarray, flushed: np.ndarray
 ) -> list[str]:
@@ -388,6 +434,13 @@ def _flushed_lines(
     lines = []
     seen = dict(zip(total.index.astype(str).tolist(), total.tolist(), strict=True))
     for name, row in list(worst.iterrows())[:3]:
+        if row["zero"] >= 1.0 and float(row["absmax"]) == 0.0:
+            lines.append(
+                f"`{name}.grad`: all zeros at {int(row['n'])} of {int(seen[str(name)])} recorded steps (exactly 0, "
+                f"or flushed below float16's smallest subnormal {num(FP16_SMALLEST_SUBNORMAL)}: the trace cannot "
+                "tell which)"
+            )
+            continue
         lines.append(
             f"`{name}.grad`: {row['zero']:.0%} zeros, absmax {num(float(row['absmax']))} (flushed at "
             f"{int(row['n'])} of {int(seen[str(name)])} recorded steps)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import conftest
 import pandas as pd
@@ -1120,3 +1121,84 @@ def test_weights_recorded_only_at_applied_updates_say_so() -> None:
         "weight absmax went 1 (step 0) → 3.5 (step 4) (×3.5), recorded at the 4 steps whose update was applied "
         "(0, 1, 3, 4), rising in 3 of the 3 changes between them; the GradScaler skipped the update of step 2"
     ) in d.evidence
+
+
+class _TwoViews(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 2)
+        with torch.no_grad():
+            self.fc1.weight.fill_(50.0)
+            self.fc1.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _two_views_run(make: Any) -> nantrace.Trace:
+    """The model called on two views before one backward of (z1 − z2)²·1e-6 (new-user check, N14b): the biases
+    cancel in z1 − z2, so both bias gradients are exactly 0 at every step; fc1's weight gradient is subnormal at
+    step 0 only."""
+    torch.manual_seed(0)
+    m = _TwoViews()
+    opt = torch.optim.SGD(m.fc2.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+    g = torch.Generator().manual_seed(1)
+    with make(m, scaler=scaler, optimizer=opt) as tr:
+        for step in range(3):
+            x = torch.rand(2, 4, generator=g) * 2 + 1
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                z1, z2 = m(x), m(x * (100.0 if step == 1 else 1.1))
+                loss = ((z1.float() - z2.float()) ** 2).mean() * 1e-6
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return tr
+
+
+def test_bias_gradients_that_cancel_exactly_are_not_called_flushed() -> None:
+    """Every product of fc1's / fc2's non-zero incoming gradient and input is far above float16's smallest
+    subnormal, so their all-zero bias gradients are exact zeros: left out, 1 of the 6 other tensors is flushed,
+    and the run is healthy (before, 7 of 12 with both biases 'flushed at 3 of 3 recorded steps')."""
+    tr = _two_views_run(nantrace.trace)
+    assert tr.diagnose().cause == "healthy"
+    watched = _two_views_run(
+        nantrace.watch
+    ).diagnose()  # step 0 in full: fc1's subnormal weight gradient, 1 of 2
+    assert watched.cause == "gradient_underflow"
+    assert watched.evidence[1] == "overall 20% of parameter-gradient elements were exactly 0"
+    assert watched.evidence[4] == (
+        "left out as exactly 0, not flushed: `fc1.bias.grad`, `fc2.bias.grad` (2 all-zero tensors): every product "
+        "of a non-zero value of the gradient arriving at their module and of its input is at least float16's "
+        "smallest subnormal 5.96e-08, so none rounds to 0; their zeros are sums that cancel"
+    )
+    assert not any("bias.grad`: " in e for e in watched.evidence)
+
+
+def test_an_all_zero_gradient_the_trace_cannot_prove_exact_is_not_said_to_be_flushed() -> None:
+    """`fc`'s incoming gradient was not recorded: its all-zero gradients may be exact or flushed, and the line
+    says so instead of 'flushed'."""
+    rows = [
+        {
+            "step": s,
+            "phase": "backward",
+            "module": "fc",
+            "tensor": t,
+            "absmax": 0.0,
+            "absmin": math.nan,
+            "numel": 8,
+            "n_zero": 8,
+            "dtype": "float16",
+        }
+        for s in range(2)
+        for t in ("weight.grad", "bias.grad")
+    ]
+    steps = [{"step": s, "loss": 1.0, "scale": 1024.0, "skipped": False} for s in range(2)]
+    d = diagnose(conftest.frame_view(conftest.records_frame(rows), conftest.steps_frame(steps)))
+    assert d.cause == "gradient_underflow"
+    assert (
+        "`fc.bias.grad`: all zeros at 2 of 2 recorded steps (exactly 0, or flushed below float16's smallest "
+        "subnormal 5.96e-08: the trace cannot tell which)"
+    ) in d.evidence
+    assert not any("(flushed at" in e for e in d.evidence)
