@@ -1150,6 +1150,79 @@ def _not_overflow(scaled: bool, dtype_helps: str) -> str:
     return f"Not an overflow: {scale}{dtype_helps}."
 
 
+def _singular_advice(ev: OpEvidence, name: str, base: str, scaled: bool) -> list[str]:
+    """The fixes for an op at its singular point or outside its domain, from the op and its operands."""
+    out: list[str] = []
+    for v, d in ev.vanished:
+        out.append(
+            f"The constant {v:g} is 0 in {d}: use an eps {d} can hold (at least {num(_tiny(d))}; e.g. 1e-5), "
+            "or compute this op in float32."
+        )
+    op = f"`{ev.op}`" if ev.op else "the op"
+    if base in ("div", "rdiv", "reciprocal"):
+        out.append(f"In {name}: keep the denominator away from 0: `x / (d + eps)` or `d.clamp_min(eps)`.")
+    elif base in ("fmod", "remainder"):
+        out.append(
+            f"In {name}: keep the divisor of {op} away from 0 (`d.clamp_min(eps)`, or skip the entries where it "
+            "is 0)."
+        )
+    elif ev.what.endswith(" of ±1"):
+        out.append(
+            f"In {name}: {op} is infinite at ±1: clamp its argument inside (-1, 1) first "
+            "(`x.clamp(-1 + eps, 1 - eps)`)."
+        )
+    elif base in ("pow", "rpow") and ev.what == "a fractional power of a negative value":
+        out.append(
+            f"In {name}: a fractional power is undefined for a negative base: make the base non-negative "
+            "before it (`x.clamp_min(0) ** p`, or `x.abs() ** p * x.sign()` for an odd root)."
+        )
+        out.append(_not_overflow(scaled, "a wider dtype does not remove it"))
+        return out
+    elif base in ("pow", "rpow"):
+        out.append(
+            f"In {name}: clamp the base away from 0 before a negative power (`x.clamp_min(eps) ** p`)."
+        )
+    elif ev.what == "a mean over zero elements (0/0)":
+        out.append(
+            f"In {name}: `{ev.op}` reduced an empty selection; skip it when nothing is selected, or sum and "
+            "divide by the count clamped to 1 (`x.sum(0) / n.clamp_min(1)`)."
+        )
+        out.append(_not_overflow(scaled, "a wider dtype does not remove it"))
+        return out
+    elif ev.what.endswith(" beyond ±1"):
+        out.append(
+            f"In {name}: {op} is defined on [-1, 1] only, and its argument reached {num(_arg_absmax(ev))}: "
+            "clamp it first (`x.clamp(-1 + eps, 1 - eps)`; a cosine or a normalised value can round past 1)."
+        )
+        out.append(
+            _not_overflow(scaled, "a wider dtype rounds less but does not remove it without the clamp")
+        )
+        return out
+    elif ev.what.endswith(" of a negative value") and base in ("sqrt", "rsqrt"):
+        out.append(
+            f"In {name}: {op} got negative values. If its argument is a variance or a squared norm, which is "
+            "never negative in exact arithmetic, the negative comes from cancellation in a difference such as "
+            "E[x²] − E[x]²: compute it from deviations (`((x - x.mean()) ** 2).mean()`, `torch.var`) or in "
+            "float32. Otherwise clamp it first (`x.clamp_min(0)`, with an eps inside a sqrt whose gradient "
+            "you need)."
+        )
+        out.append(_not_overflow(scaled, "a wider dtype helps only where it removes the cancellation"))
+        return out
+    elif ev.outside_domain:
+        out.append(
+            f"In {name}: the argument of {op} left its domain ({ev.what}): clamp it into the domain first "
+            "(`x.clamp_min(eps)` for a log), or find what put it there."
+        )
+        out.append(_not_overflow(scaled, "a wider dtype does not remove it"))
+        return out
+    else:
+        out.append(
+            f"In {name}: keep the argument of {op} away from 0 and negatives (`x.clamp_min(eps)`, or add eps inside)."
+        )
+    out.append(_not_overflow(scaled, "a wider dtype does not remove it, unless with an eps it can hold"))
+    return out
+
+
 def class_advice(ev: OpEvidence, module: str, *, scaled: bool = False) -> list[str]:
     """The fixes that follow from the class and the operands (none for ``overflow``/``cast``: the caller's
     advice on dtypes and weights applies there); ``scaled``: the run has a loss scale (:func:`scaled_run`)."""
@@ -1161,73 +1234,7 @@ def class_advice(ev: OpEvidence, module: str, *, scaled: bool = False) -> list[s
             "it scales, adds or replaces), or remove the hook to confirm that the model alone stays finite."
         )
     if ev.op_class == "singular":
-        for v, d in ev.vanished:
-            out.append(
-                f"The constant {v:g} is 0 in {d}: use an eps {d} can hold (at least {num(_tiny(d))}; e.g. 1e-5), "
-                "or compute this op in float32."
-            )
-        op = f"`{ev.op}`" if ev.op else "the op"
-        if base in ("div", "rdiv", "reciprocal"):
-            out.append(f"In {name}: keep the denominator away from 0: `x / (d + eps)` or `d.clamp_min(eps)`.")
-        elif base in ("fmod", "remainder"):
-            out.append(
-                f"In {name}: keep the divisor of {op} away from 0 (`d.clamp_min(eps)`, or skip the entries where it "
-                "is 0)."
-            )
-        elif ev.what.endswith(" of ±1"):
-            out.append(
-                f"In {name}: {op} is infinite at ±1: clamp its argument inside (-1, 1) first "
-                "(`x.clamp(-1 + eps, 1 - eps)`)."
-            )
-        elif base in ("pow", "rpow") and ev.what == "a fractional power of a negative value":
-            out.append(
-                f"In {name}: a fractional power is undefined for a negative base: make the base non-negative "
-                "before it (`x.clamp_min(0) ** p`, or `x.abs() ** p * x.sign()` for an odd root)."
-            )
-            out.append(_not_overflow(scaled, "a wider dtype does not remove it"))
-            return out
-        elif base in ("pow", "rpow"):
-            out.append(
-                f"In {name}: clamp the base away from 0 before a negative power (`x.clamp_min(eps) ** p`)."
-            )
-        elif ev.what == "a mean over zero elements (0/0)":
-            out.append(
-                f"In {name}: `{ev.op}` reduced an empty selection; skip it when nothing is selected, or sum and "
-                "divide by the count clamped to 1 (`x.sum(0) / n.clamp_min(1)`)."
-            )
-            out.append(_not_overflow(scaled, "a wider dtype does not remove it"))
-            return out
-        elif ev.what.endswith(" beyond ±1"):
-            out.append(
-                f"In {name}: {op} is defined on [-1, 1] only, and its argument reached {num(_arg_absmax(ev))}: "
-                "clamp it first (`x.clamp(-1 + eps, 1 - eps)`; a cosine or a normalised value can round past 1)."
-            )
-            out.append(
-                _not_overflow(scaled, "a wider dtype rounds less but does not remove it without the clamp")
-            )
-            return out
-        elif ev.what.endswith(" of a negative value") and base in ("sqrt", "rsqrt"):
-            out.append(
-                f"In {name}: {op} got negative values. If its argument is a variance or a squared norm, which is "
-                "never negative in exact arithmetic, the negative comes from cancellation in a difference such as "
-                "E[x²] − E[x]²: compute it from deviations (`((x - x.mean()) ** 2).mean()`, `torch.var`) or in "
-                "float32. Otherwise clamp it first (`x.clamp_min(0)`, with an eps inside a sqrt whose gradient "
-                "you need)."
-            )
-            out.append(_not_overflow(scaled, "a wider dtype helps only where it removes the cancellation"))
-            return out
-        elif ev.outside_domain:
-            out.append(
-                f"In {name}: the argument of {op} left its domain ({ev.what}): clamp it into the domain first "
-                "(`x.clamp_min(eps)` for a log), or find what put it there."
-            )
-            out.append(_not_overflow(scaled, "a wider dtype does not remove it"))
-            return out
-        else:
-            out.append(
-                f"In {name}: keep the argument of {op} away from 0 and negatives (`x.clamp_min(eps)`, or add eps inside)."
-            )
-        out.append(_not_overflow(scaled, "a wider dtype does not remove it, unless with an eps it can hold"))
+        out += _singular_advice(ev, name, base, scaled)
     elif ev.op_class == "invalid" and ev.what == WEIGHTS_HELD:
         frozen = any(o.frozen and o.held_weight for o in ev.operands)
         writers = (

@@ -301,12 +301,8 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
         ]
     if ev.raw_kind == "nan":
         cause = _forward_nan_cause(view, ev, inputs_had_inf, own_code)
-        return [
-            f"{head}, {cause}.",
-            f"Finite input absmax {in_absmax}.",
-            *facts,
-            *class_advice(oe, module, scaled=scaled_run(view)),
-        ]
+        fixes = class_advice(oe, module, scaled=scaled_run(view))
+        return [f"{head}, {cause}.", f"Finite input absmax {in_absmax}.", *facts, *fixes]
     if leak:  # the -inf of a mask/bias input went on into values that are not a mask
         masks = _mask_inputs(ev.step_rows, micro)
         src = f"the -inf of the mask/bias input(s) {masks}" if masks else "an inf its inputs already held"
@@ -320,9 +316,8 @@ def _forward_body(view: RunView, ev: Event, oe: OpEvidence) -> list[str]:
         ]
     limit = f"{dtype} overflows above {num(dmax)} (torch.finfo(torch.{dtype}).max)"
     climb = _climb(_local(view), module, step)
-    extra = class_advice(
-        oe, module, scaled=scaled_run(view)
-    )  # a reduction's or a matmul's own fix, from its operands
+    # a reduction's or a matmul's own fix, from its operands
+    extra = class_advice(oe, module, scaled=scaled_run(view))
     if oe.op_class == "reduction" or oe.hook is not None:  # a hook's op: fixing the hook is the advice
         advice = extra
     elif dtype_max(dtype) >= dtype_max(

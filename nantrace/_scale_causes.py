@@ -337,16 +337,7 @@ def underflow(run: Facts) -> Diagnosis | None:
     ]
     evidence += _flushed_lines(names, zero_frac, absmax, flushed)
     if exact.any():
-        left = sorted(set(exact_names.tolist()))
-        shown = ", ".join(f"`{n}.grad`" for n in left[:3]) + (
-            f" and {len(left) - 3} more" if len(left) > 3 else ""
-        )
-        evidence.append(
-            f"left out as exactly 0, not flushed: {shown} ({int(exact.sum())} all-zero tensors): every product of "
-            "a non-zero value of the gradient arriving at their module and of its input is at least float16's "
-            f"smallest subnormal {num(FP16_SMALLEST_SUBNORMAL)}, so none rounds to 0; their zeros are sums that "
-            "cancel"
-        )
+        evidence.append(_exact_words(exact_names, int(exact.sum())))
     fp16_grads = r[(run.phase == "backward") & (dt == "float16")]
     if len(fp16_grads):
         evidence.append(f"largest float16 gradient anywhere: {num(finite_absmax(fp16_grads))}")
@@ -358,7 +349,24 @@ def underflow(run: Facts) -> Diagnosis | None:
             f"the trace holds {kinds} produced at steps {steps_text([e.step for e in produced])} (first: "
             f"{producer_text(produced[0])}, step {produced[0].step}), each a step the GradScaler skipped",
         )
-    advice = []
+    advice = _underflow_advice(scales, produced)
+    lost = f"{frac:.0%} of parameter-gradient tensors lost most of their values."
+    summary = (
+        f"Besides the overflows the GradScaler skipped (steps {steps_text([e.step for e in produced])}), float16 "
+        f"gradients flush to zero: {lost}"
+        if produced
+        else f"No inf/NaN, but float16 gradients flush to zero: {lost}"
+    )
+    headline = (
+        f"{frac:.0%} of float16 parameter-gradient tensors flushed to zero ({int(flushed.sum())} of "
+        f"{len(flushed)}), {scale_text}"
+    )
+    return Diagnosis("gradient_underflow", None, evidence, advice, summary, headline=headline[:HEADLINE_MAX])
+
+
+def _underflow_advice(scales: list[float], produced: list[Overflow]) -> list[str]:
+    """The underflow verdict's advice: a GradScaler when there is none, else what lowered its scale."""
+    advice: list[str] = []
     if not scales:
         advice.append(
             "Use a GradScaler: `scaler = torch.amp.GradScaler()`, `scaler.scale(loss).backward()`, "
@@ -381,18 +389,21 @@ def underflow(run: Facts) -> Diagnosis | None:
     advice.append(
         "Or keep float32 gradients (autocast rather than `model.half()`), and check the loss is not tiny."
     )
-    lost = f"{frac:.0%} of parameter-gradient tensors lost most of their values."
-    summary = (
-        f"Besides the overflows the GradScaler skipped (steps {steps_text([e.step for e in produced])}), float16 "
-        f"gradients flush to zero: {lost}"
-        if produced
-        else f"No inf/NaN, but float16 gradients flush to zero: {lost}"
+    return advice
+
+
+def _exact_words(names: np.ndarray, n: int) -> str:
+    """The evidence line naming the all-zero gradients proven exact (:func:`_exact_zeros`)."""
+    left = sorted(set(names.tolist()))
+    shown = ", ".join(f"`{x}.grad`" for x in left[:3]) + (
+        f" and {len(left) - 3} more" if len(left) > 3 else ""
     )
-    headline = (
-        f"{frac:.0%} of float16 parameter-gradient tensors flushed to zero ({int(flushed.sum())} of "
-        f"{len(flushed)}), {scale_text}"
+    return (
+        f"left out as exactly 0, not flushed: {shown} ({n} all-zero tensors): every product of "
+        "a non-zero value of the gradient arriving at their module and of its input is at least float16's "
+        f"smallest subnormal {num(FP16_SMALLEST_SUBNORMAL)}, so none rounds to 0; their zeros are sums that "
+        "cancel"
     )
-    return Diagnosis("gradient_underflow", None, evidence, advice, summary, headline=headline[:HEADLINE_MAX])
 
 
 def _exact_zeros(run: Facts, g: pd.DataFrame) -> np.ndarray:
