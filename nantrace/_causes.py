@@ -437,7 +437,7 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
         evidence.append(skips)
     # an op of the user's hook: fixing the hook is the advice (class_advice, below), not the module's range
     advice = range_advice(run, ev.module, dtype, ev) if hook is None else []
-    drift = data_growth_words(run, ev.step)
+    drift = data_growth_words(run, ev.step, ev.micro_step)
     if drift is not None:
         evidence.append(drift[0])
     if own_code and hook is None:

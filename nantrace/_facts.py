@@ -285,6 +285,22 @@ class Facts:
             return pd.Series(dtype=np.float64)
         return pd.Series(self.absmax[m]).groupby(self.step[m]).max().sort_index()
 
+    def data_series_micro(self, step: int, micro: int) -> pd.Series:
+        """Like :meth:`data_series`, per root forward: indexed by ``(step, micro_step)`` in time order, every
+        micro-step up to and including ``(step, micro)``."""
+        if not len(self.records):
+            return pd.Series(dtype=np.float64)
+        ms = self.records["micro_step"].to_numpy()
+        m = (self.phase == "data") & ((self.step < step) | ((self.step == step) & (ms <= micro)))
+        m &= np.isfinite(self.absmax)
+        if m.any():
+            floating = self.records["dtype"].astype(str).str.startswith(("float", "bfloat")).to_numpy()
+            m &= floating & ~is_mask(self.records) & (self.absmax > 0)
+        if not m.any():
+            return pd.Series(dtype=np.float64)
+        key = pd.MultiIndex.from_arrays([self.step[m], ms[m]], names=["step", "micro_step"])
+        return pd.Series(self.absmax[m], index=key).groupby(level=[0, 1]).max().sort_index()
+
     def weight_series(self, before: int) -> pd.Series:
         m = (self.phase == "optimizer") & (self.step < before) & np.isfinite(self.absmax)
         if not m.any():
@@ -522,9 +538,41 @@ def data_jump(
     return int(s.index[-1]), float(factor), float(spread), (int(s.index[0]), int(s.index[-2])), float(v[-2])
 
 
-def data_growth_words(run: Facts, step: int) -> tuple[str, str] | None:
+def micro_jump_words(run: Facts, step: int, micro: int) -> tuple[str, str] | None:
+    """``(evidence, advice)`` when the inputs of micro-step ``micro`` of ``step`` (gradient accumulation, a model
+    called more than once per step) are at least :data:`DIVERGENCE_GROWTH` times those of every root forward
+    before it and that factor exceeds their whole spread (:func:`data_jump` over root forwards), else None.
+    Only for a run with several micro-steps in a step: otherwise it is :func:`data_growth_words`' per-step
+    jump."""
+    series = run.data_series_micro(step, micro)
+    if len(series) < 3 or series.index[-1] != (step, micro):
+        return None
+    if series.index.get_level_values(1).max() == 0:
+        return None
+    v = series.to_numpy(dtype=np.float64)
+    before = v[:-1][-DIVERGENCE_WINDOW:]
+    factor, spread = v[-1] / before.max(), before.max() / before.min()
+    if factor < DIVERGENCE_GROWTH or factor <= spread:
+        return None
+    where = f"step {step}, micro-step {micro}"
+    n = len(before)
+    return (
+        f"the model's inputs (phase data) at {where} had absmax {num(v[-1])}, ×{num(factor)} the largest of the "
+        f"{n} root forwards before it ({num(before.max())}; they stayed within ×{num(spread)}): one batch out "
+        "of range",
+        f"Check the batch of {where}: its inputs' absmax is ×{num(factor)} that of the {n} before it (a corrupt or "
+        "unnormalised sample); validate or clip inputs where they are loaded.",
+    )
+
+
+def data_growth_words(run: Facts, step: int, micro: int | None = None) -> tuple[str, str] | None:
     """``(evidence, advice)`` when the model's inputs grew up to ``step`` (:func:`data_growth`), or jumped at
-    its last recorded step (:func:`data_jump`), else None."""
+    its last recorded step (:func:`data_jump`), or (``micro`` given) at that micro-step
+    (:func:`micro_jump_words`), else None."""
+    if micro is not None:
+        got = micro_jump_words(run, step, micro)
+        if got is not None:
+            return got
     series = run.data_series(step)
     jump = data_jump(series)
     if jump is not None and trend(series).n >= DIVERGENCE_MIN_STEPS:

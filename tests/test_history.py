@@ -1202,3 +1202,35 @@ def test_an_all_zero_gradient_the_trace_cannot_prove_exact_is_not_said_to_be_flu
         "subnormal 5.96e-08: the trace cannot tell which)"
     ) in d.evidence
     assert not any("(flushed at" in e for e in d.evidence)
+
+
+def test_one_micro_batch_out_of_range_under_accumulation_is_named_as_that_batch() -> None:
+    """Three micro-steps per step; micro-step 2 of step 1 feeds inputs of 2000 (the others 1..3): the overflow
+    of `0` follows from that one batch, which the evidence and the first advice name by step and micro-step
+    (before, no sentence said so: a per-step series needs earlier steps, and this step's others were fine)."""
+    model = nn.Sequential(nn.Linear(2, 2, bias=False)).half()
+    with torch.no_grad():
+        model[0].weight.fill_(30.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nantrace.trace(model, optimizer=opt) as tr:
+        for step in range(2):
+            opt.zero_grad()
+            for micro in range(3):
+                x = torch.full((1, 2), float(micro + 1), dtype=torch.float16)
+                if (step, micro) == (1, 2):
+                    x = torch.full((1, 2), 2000.0, dtype=torch.float16)
+                loss = model(x).float().sum()
+                loss.backward()
+            opt.step()
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.micro_step, ov.phase, ov.module) == (1, 2, "forward", "0")
+    d = tr.diagnose()
+    assert d.cause == "forward_overflow"
+    assert (
+        "the model's inputs (phase data) at step 1, micro-step 2 had absmax 2000, ×666.7 the largest of the 5 root "
+        "forwards before it (3; they stayed within ×3): one batch out of range"
+    ) in d.evidence
+    assert d.advice[0] == (
+        "Check the batch of step 1, micro-step 2: its inputs' absmax is ×666.7 that of the 5 before it (a corrupt "
+        "or unnormalised sample); validate or clip inputs where they are loaded."
+    )
