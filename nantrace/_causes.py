@@ -850,7 +850,10 @@ def _lr_advice(run: Facts, div: DivergenceFacts) -> str:
             else ""
         )
         text = (
-            f"Lower the (peak) learning rate from {num(div.lr)}{ratio}: try {num(div.lr / 10)}{back}, {watch}"
+            f"Lower the learning rate, which was {num(div.lr)} when the run diverged{ratio}: try a peak of "
+            f"{num(div.lr / 10)}{back}, {watch}"
+            if div.warmup is not None  # the peak is not reached yet: the lr quoted is where it diverged
+            else f"Lower the (peak) learning rate from {num(div.lr)}{ratio}: try {num(div.lr / 10)}{back}, {watch}"
         )
     if div.warmup is not None:
         a, lr_a, b, lr_b = div.warmup

@@ -840,6 +840,11 @@ def divergence(
         elif steady:
             where, rose = span_words(run, wt, "applied")
             shape = f", {where}, {rose}" if where else f", {rose}"
+        else:  # beside a fast update ratio: the ratio is per parameter, this is the largest |w| of any
+            shape = (
+                f": the largest |w| of any parameter grew less than ×{DIVERGENCE_WEIGHT_GROWTH:g}, while the update "
+                "ratio above is each parameter's own change per step"
+            )
         ev.append(
             f"weight absmax went {num(wt.first)} (step {wt.first_step}) → {num(wt.last)} (step {wt.last_step}) "
             f"(×{num(wt.growth)}){shape}"

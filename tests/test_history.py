@@ -477,9 +477,14 @@ def test_the_demos_diagnosis_names_the_learning_rate_and_its_warmup() -> None:
         "blocks.1.attn.scores",
         "inf",
     )
+    assert (
+        "weight absmax went 1.088 (step 19) → 1.086 (step 26) (×0.998): the largest |w| of any parameter grew less "
+        "than ×2, while the update ratio above is each parameter's own change per step"
+    ) in d.evidence
     assert d.advice[0].startswith(
-        "Lower the (peak) learning rate from 0.042 (the update-to-weight ratio was 0.07574; healthy is about "
-        "0.001): try 0.0042, and watch the update-to-weight ratio stay near the healthy 0.001."
+        "Lower the learning rate, which was 0.042 when the run diverged (the update-to-weight ratio was 0.07574; "
+        "healthy is about 0.001): try a peak of 0.0042, and watch the update-to-weight ratio stay near the healthy "
+        "0.001."
     )
     assert "would give a healthy ratio" not in d.advice[0]
     assert "The loop already warms up (lr 0.028 at step 19 → 0.042 at step 26)" in d.advice[0]
@@ -660,8 +665,8 @@ def test_the_lr_advice_offers_the_lr_of_the_last_calm_step() -> None:
     d = diagnose(conftest.frame_view(conftest.records_frame(rows), steps))
     assert d.cause == "divergence"
     assert d.advice[0].startswith(
-        "Lower the (peak) learning rate from 0.4 (the update-to-weight ratio was 0.2; healthy is about 0.001): try "
-        "0.04 or 0.03, the lr of step 2, whose update-to-weight ratio was 0.005, and watch the update-to-weight "
+        "Lower the learning rate, which was 0.4 when the run diverged (the update-to-weight ratio was 0.2; healthy "
+        "is about 0.001): try a peak of 0.04 or 0.03, the lr of step 2, whose update-to-weight ratio was 0.005, and watch the update-to-weight "
         "ratio stay near the healthy 0.001."
     )
 
