@@ -18,8 +18,10 @@ from ._evidence import (
     class_advice,
     discarded_op,
     loss_advice,
+    masked_outputs,
     mean_over_nothing,
     op_evidence,
+    outputs_words,
     weights_beyond_event,
     written_facts,
 )
@@ -628,11 +630,7 @@ def loss(run: Facts, ev: Overflow) -> Diagnosis:
     loss_dtype = str(loss_rows["dtype"].iloc[0]) if len(loss_rows) else "not recorded"
     which = "the loss" if ev.tensor.startswith("loss") else "the gradient arriving at the model's outputs"
     lv = run.loss.get(ev.step, math.nan)
-    seen = (
-        f"were finite (absmax {num(finite_absmax(outs))})"
-        if len(outs)
-        else "were not recorded (no traced forward in this step)"
-    )
+    seen = outputs_words(outs) if len(outs) else "were not recorded (no traced forward in this step)"
     evidence = [f"the model's outputs at step {ev.step} {seen} but {which} was {ev.kind} ({ev.dtype})"]
     if not ev.tensor.startswith("loss"):
         value = f"{num(lv)} ({loss_dtype})" if not math.isnan(lv) else "not recorded"
@@ -678,8 +676,9 @@ def loss(run: Facts, ev: Overflow) -> Diagnosis:
         advice += loss_advice(outs, loss_dtype, ev.kind)
     if not ev.tensor.startswith("loss"):
         advice.append(_loss_gradient_advice(run, ev, lv))
+    shown = "held only a mask's -inf" if masked_outputs(outs) else "were finite"
     summary = (
-        f"The model's outputs were {'finite' if len(outs) else 'not recorded'} but {which} was non-finite at "
+        f"The model's outputs {shown if len(outs) else 'were not recorded'} but {which} was non-finite at "
         f"step {ev.step}" + (": a mean over zero elements." if empty is not None else ".")
     )
     return Diagnosis("loss", ev, evidence, advice, summary)

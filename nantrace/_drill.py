@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._opfacts import named_operands, note_vanished, operand_facts
+from ._schema import MASK_KIND
 from ._stats import describable, either_sign, op_input_kinds, tensor_kinds
 from ._tree import clone_tree, flatten, host_rngs_kept, plain_state, restore_plain
 
@@ -184,6 +185,9 @@ class FirstNonfinite(TorchFunctionMode):
         self.hooks: dict[Any, Hook] = {}  # the call's forward hooks (:func:`hook_codes`)
         self.hook: Hook | None = None  # the one the producing op ran inside
         self.found: Found | None = None
+        # the first op whose output holds -inf that only a -inf scalar argument brought in (masked_fill(m, -inf),
+        # where(c, x, -inf), full(..., -inf)): an intended mask value, kept when no op produced a kind
+        self.intended: Found | None = None
         self.index = 0
         # the producing op's operands (copies of in-place ones, taken before the op) and result, kept only until
         # the replay ends, when operand_facts() turns them into numbers
@@ -219,6 +223,13 @@ class FirstNonfinite(TorchFunctionMode):
             if not describable(t):
                 continue
             kinds = tensor_kinds(t)
+            if (
+                self.intended is None
+                and "neginf" in kinds & before
+                and "neginf" not in self.known
+                and not any("neginf" in tensor_kinds(x) for x in tensors)
+            ):
+                self.intended = (name, "neginf", self.index - 1, user_line())
             new = (kinds - either_sign(before) - self.known) or (kinds & held)
             if new:
                 kind = next(k for k in _ORDER if k in new)
@@ -522,7 +533,11 @@ def drill_call(
     )
     found = cast.found or mode.found
     if found is None:
-        return None
+        if transient or mode.intended is None:
+            return None
+        # the output's -inf came only from -inf scalars: an intended mask value (locator rule 3), not produced
+        op, _, _, line = mode.intended
+        return op, MASK_KIND, "", line, True
     op, kind, at, line = found
     watch = cast if cast.found else mode
     try:

@@ -47,7 +47,7 @@ from ._hooks import CAST_OP
 from ._masks import lowest_masks
 from ._overflow import Overflow
 from ._ranges import finite_absmax, last_optimizer_row, weights_beyond
-from ._schema import KIND_WORDS, dtype_max
+from ._schema import KIND_WORDS, MASK_KIND, dtype_max
 from ._view import RunView
 
 __all__ = [
@@ -65,9 +65,11 @@ __all__ = [
     "headline",
     "loss_advice",
     "loss_bounds",
+    "masked_outputs",
     "mean_over_nothing",
     "nonfinite_words",
     "op_evidence",
+    "outputs_words",
     "scaled_run",
     "weights_beyond_event",
     "weights_nonfinite",
@@ -314,6 +316,7 @@ def _call_ops(view: RunView, ov: Overflow, reaches: bool) -> pd.DataFrame | None
     o = _rank_rows(view.ops, ov, _many(view))
     if not len(o) or "op" not in o.columns:
         return None
+    o = o[o["kind"].astype(str).to_numpy() != MASK_KIND]  # an intended mask value names no producing op
     if "reaches" in o.columns:
         o = o[o["reaches"].to_numpy(dtype=bool) == reaches]
     elif not reaches:
@@ -978,6 +981,32 @@ _LOSS_REMEDY = {
 }
 
 
+def masked_outputs(outs: pd.DataFrame) -> int:
+    """How many -inf values the model's output rows ``outs`` hold when that is their only non-finite kind (a
+    mask the locator did not report: masked logits); 0 otherwise."""
+    if not len(outs) or int(outs[["n_nan", "n_posinf"]].to_numpy().sum()):
+        return 0
+    return int(outs["n_neginf"].sum())
+
+
+def outputs_words(outs: pd.DataFrame) -> str:
+    """``"were finite (absmax 2.5)"``, or for masked outputs ``"held only a mask's -inf (12 values; finite absmax
+    2.5)"``, of the model's output rows ``outs``."""
+    n = masked_outputs(outs)
+    if n:
+        return f"held only a mask's -inf ({n} values; finite absmax {num(finite_absmax(outs))})"
+    return f"were finite (absmax {num(finite_absmax(outs))})"
+
+
+#: The first advice for a non-finite loss from outputs holding a mask's -inf.
+MASKED_LOSS = (
+    "The model's outputs hold -inf where they are masked ({n} values): a loss that weighs every output, such as "
+    "cross-entropy with `label_smoothing`, a KL divergence p·(log p − log q) or a sum of log-probabilities, "
+    "multiplies that -inf by a non-zero weight (inf) or by 0 (NaN). Mask with a large finite negative "
+    "(`torch.finfo(dtype).min`) instead of -inf, or leave the masked entries out of the loss."
+)
+
+
 def loss_advice(outs: pd.DataFrame, loss_dtype: str, kind: str = "inf") -> list[str]:
     """Advice for a non-finite loss from finite model outputs, from :func:`loss_bounds` in the outputs' own
     narrow dtype (float16, bfloat16) and in float32. ``loss_dtype``: the recorded loss tensor's dtype, or
@@ -1020,6 +1049,8 @@ def loss_advice(outs: pd.DataFrame, loss_dtype: str, kind: str = "inf") -> list[
             f"The loss is {loss_dtype} and non-finite from finite outputs: {made}. Compute it in float32 from the "
             "outputs (`loss_fn(output.float(), target.float())`) and check the targets."
         )
+    if masked_outputs(outs):
+        advice.insert(0, MASKED_LOSS.format(n=masked_outputs(outs)))
     if not advice:
         where = f"{narrow} or {wide}" if narrow else wide
         advice.append(

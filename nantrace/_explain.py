@@ -25,6 +25,7 @@ from ._evidence import (
     loss_advice,
     mean_over_nothing,
     op_evidence,
+    outputs_words,
     scaled_run,
     weights_beyond_event,
     written_facts,
@@ -359,7 +360,7 @@ def _loss(ev: Event) -> str:
     ]
     which = "the loss" if tensor.startswith("loss") else "the gradient arriving at the model's outputs"
     seen = (
-        f"the model's outputs were finite (absmax {num(finite_absmax(outs))})"
+        f"the model's outputs {outputs_words(outs)}"
         if len(outs)
         else "the model's outputs were not recorded (no traced forward in this step)"
     )

@@ -33,7 +33,7 @@ from ._explain import first_after, overflows
 from ._fmt import module_label, num, steps_text
 from ._masks import is_mask
 from ._overflow import Overflow
-from ._schema import DType
+from ._schema import MASK_KIND, DType
 from ._view import RunView
 
 __all__ = [
@@ -331,6 +331,8 @@ class Facts:
         )
         if kind is not None:
             m &= o["kind"].astype(str).to_numpy() == kind
+        else:  # an intended mask value (MASK_KIND) names no producing op
+            m &= o["kind"].astype(str).to_numpy() != MASK_KIND
         hit = o[m]
         return str(hit["op"].iloc[0]) if len(hit) else None
 
@@ -756,6 +758,33 @@ def same_weights_losses(run: Facts, step: int) -> list[tuple[int, float]]:
     return out
 
 
+def _weights_words(run: Facts, before: int, t: Trend, wt: Trend) -> tuple[bool, str]:
+    """``(steady, evidence)`` of the divergence rule's weights: whether the largest weight grew at least
+    :data:`DIVERGENCE_WEIGHT_GROWTH` times and not in one jump, and the sentence ("" without two recorded
+    steps)."""
+    steady = wt.n >= 2 and wt.growth >= DIVERGENCE_WEIGHT_GROWTH
+    if wt.n < 2:
+        return steady, ""
+    ws = run.weight_series(before).loc[t.first_step : t.last_step]
+    jump, a, b = largest_jump(ws)
+    shape = ""
+    if steady and jump * jump >= wt.growth:  # one step holds at least half of the growth (in log terms)
+        steady = False
+        shape = f", most of it in one jump ×{num(jump)} from step {a} to step {b}"
+    elif steady:
+        where, rose = span_words(run, wt, "applied")
+        shape = f", {where}, {rose}" if where else f", {rose}"
+    else:  # beside a fast update ratio: the ratio is per parameter, this is the largest |w| of any
+        shape = (
+            f": the largest |w| of any parameter grew less than ×{DIVERGENCE_WEIGHT_GROWTH:g}, while the update "
+            "ratio above is each parameter's own change per step"
+        )
+    return steady, (
+        f"weight absmax went {num(wt.first)} (step {wt.first_step}) → {num(wt.last)} (step {wt.last_step}) "
+        f"(×{num(wt.growth)}){shape}"
+    )
+
+
 def divergence(
     run: Facts,
     before: int,
@@ -829,26 +858,9 @@ def divergence(
             f"update-to-weight ratio (change of a parameter's absmax per step) was {num(ratio)} (median), "
             f"{num(ratio / HEALTHY_UPDATE_RATIO)}× the healthy {HEALTHY_UPDATE_RATIO:g}"
         )
-    steady = wt.n >= 2 and wt.growth >= DIVERGENCE_WEIGHT_GROWTH
-    if wt.n >= 2:
-        ws = run.weight_series(before).loc[t.first_step : t.last_step]
-        jump, a, b = largest_jump(ws)
-        shape = ""
-        if steady and jump * jump >= wt.growth:  # one step holds at least half of the growth (in log terms)
-            steady = False
-            shape = f", most of it in one jump ×{num(jump)} from step {a} to step {b}"
-        elif steady:
-            where, rose = span_words(run, wt, "applied")
-            shape = f", {where}, {rose}" if where else f", {rose}"
-        else:  # beside a fast update ratio: the ratio is per parameter, this is the largest |w| of any
-            shape = (
-                f": the largest |w| of any parameter grew less than ×{DIVERGENCE_WEIGHT_GROWTH:g}, while the update "
-                "ratio above is each parameter's own change per step"
-            )
-        ev.append(
-            f"weight absmax went {num(wt.first)} (step {wt.first_step}) → {num(wt.last)} (step {wt.last_step}) "
-            f"(×{num(wt.growth)}){shape}"
-        )
+    steady, line = _weights_words(run, before, t, wt)
+    if line:
+        ev.append(line)
     lr, lr_step = last_lr(run, steps)
     if lr_step is not None:
         ev.append(f"learning rate {num(lr)}" + grad_norm_text(run.grad_norm, steps))

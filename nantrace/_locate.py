@@ -18,7 +18,9 @@ from inf, never the reverse):
    reported, and passing it on in activations is not producing it, also when it reaches the model's output.
    NaN/+inf, or -inf in a model input that is not a mask (e.g. ``log(0)`` in a feature), is a ``data`` fault.
    The forward drill-down names an op only for a kind it *produced* (a non-finite scalar argument such as
-   ``masked_fill(m, -inf)`` counts as an input: ``_stats.op_input_kinds``).
+   ``masked_fill(m, -inf)`` counts as an input: ``_stats.op_input_kinds``). A call's output whose -inf the
+   replay showed was made only by such ops (``ops.kind`` ``"mask"``: masked logits, a causal mask built in the
+   forward) is a mask too, whatever its other values.
 4. ``loss``: outputs were finite but the loss, or the gradient arriving at the outputs, was not.
 5. ``backward``: the first non-finite gradient. One gradient value can be seen by several hooks (the output of
    one module is the input of the next; rows sharing an ``event``); it is attributed to the module whose
@@ -59,7 +61,7 @@ import numpy as np
 import pandas as pd
 
 from ._masks import is_mask
-from ._schema import PHASE_RANK, DType
+from ._schema import MASK_KIND, PHASE_RANK, DType
 
 __all__ = [
     "KIND_PRIORITY",
@@ -185,13 +187,42 @@ def _op_rows(
     return extra
 
 
+def _intended(df: pd.DataFrame, ops: pd.DataFrame | None) -> np.ndarray:
+    """Boolean array over ``df``: the forward output rows of module calls whose -inf the drill-down showed was
+    made only by ops taking a -inf scalar (``ops.kind`` :data:`~nantrace._schema.MASK_KIND`): intended mask
+    values, like a mask input (rule 3), when the row holds no NaN or +inf."""
+    out = np.zeros(len(df), dtype=bool)
+    if ops is None or not len(ops) or "kind" not in ops.columns:
+        return out
+    made = ops[ops["kind"].astype(str).to_numpy() == MASK_KIND]
+    if not len(made):
+        return out
+    calls = set(
+        zip(
+            made["micro_step"].tolist(),
+            made["module"].astype(str).tolist(),
+            made["call"].tolist(),
+            strict=True,
+        )
+    )
+    tensors = df["tensor"].astype(str).to_numpy().astype(str)
+    where = (df["phase"].astype(str).to_numpy() == "forward") & np.char.startswith(tensors, "output")
+    where &= (
+        (df["n_nan"].to_numpy() == 0) & (df["n_posinf"].to_numpy() == 0) & (df["n_neginf"].to_numpy() > 0)
+    )
+    keys = zip(df["micro_step"].tolist(), df["module"].astype(str).tolist(), df["call"].tolist(), strict=True)
+    for i, key in enumerate(keys):
+        out[i] = bool(where[i]) and key in calls
+    return out
+
+
 def first_in_step(
     step_df: pd.DataFrame, wanted: tuple[str, ...], ops: pd.DataFrame | None = None
 ) -> tuple[pd.Series, str, str | None] | None:
     """The first row of one step holding a wanted kind not seen before, that kind, and the torch op that made
     it when a forward replay found one (``ops``)."""
     df = _ordered(step_df)
-    mask = is_mask(df)
+    mask = is_mask(df) | _intended(df, ops)
     phase = df["phase"].astype(str).to_numpy()
     activation = (phase == "data") | (phase == "forward")
     has = {k: df[f"n_{k}"].to_numpy() > 0 for k in wanted}

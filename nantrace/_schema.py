@@ -16,6 +16,7 @@ __all__ = [
     "FP16_SMALLEST_SUBNORMAL",
     "KINDS",
     "KIND_WORDS",
+    "MASK_KIND",
     "META_COLUMNS",
     "N_STATS",
     "OVERFLOW_COLUMNS",
@@ -40,6 +41,10 @@ PHASE_RANK = PHASE_CODE  # the order the locator walks a step in
 # Non-finite kinds as the statistics count them (``n_nan``, ``n_posinf``, ``n_neginf``), and their words.
 KINDS: tuple[str, ...] = ("nan", "posinf", "neginf")
 KIND_WORDS: dict[str, str] = {"nan": "NaN", "posinf": "+inf", "neginf": "-inf"}
+#: The ``ops.kind`` of a module call whose output's -inf was made only by ops taking a -inf scalar
+#: (``masked_fill(m, -inf)``, ``where(c, x, -inf)``, ``full(..., -inf)``; ``op`` names the first): an intended
+#: mask value, which the locator does not report (rule 3).
+MASK_KIND = "mask"
 
 STAT_NAMES: tuple[str, ...] = ("min", "max", "absmax", "absmin", "n_nan", "n_posinf", "n_neginf", "n_zero")
 N_STATS = len(STAT_NAMES)

@@ -224,7 +224,10 @@ class Trace:
         on CPU; empty on the ``sync_free`` path). ``operands`` holds that op's operand facts (JSON text),
         ``source`` the user's ``path:line`` that ran it (None when not known, e.g. autocast's cast), and
         ``reaches`` is False when the call's output was the same whatever finite value the op's non-finite
-        elements had (a selection discarded them: not a forward fault). A new copy on each access."""
+        elements had (a selection discarded them: not a forward fault). ``kind`` ``"mask"``: the call's output
+        held -inf that only ops taking a -inf scalar made (``op`` names the first: ``masked_fill(m, -inf)``,
+        ``where(c, x, -inf)``), an intended mask value that the locator does not report. A new copy on each
+        access."""
         return served(self._view().ops)
 
     @property

@@ -312,3 +312,74 @@ def test_capture_keeps_the_call_whose_output_is_minus_inf_alone() -> None:
     assert tr._recording is not None and tr._recording.capture is not None
     kept = tr._recording.capture.kept
     assert kept is not None and kept.module_name == "head"
+
+
+# ------------------------------------------------------------------------------------ masked logits
+class MaskedHead(nn.Module):
+    """Logits masked with -inf where an action or token is not allowed (the root's own code)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).masked_fill(~allowed, float("-inf"))
+
+
+def _masked_logits_run(make: Any, loss_fn: Any) -> nantrace.Trace:
+    torch.manual_seed(0)
+    m = MaskedHead()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    allowed = torch.tensor([[True] * 4 + [False] * 2] * 3)
+    with make(m, optimizer=opt) as tr:
+        for _ in range(2):
+            opt.zero_grad()
+            loss = loss_fn(m(torch.randn(3, 4), allowed))
+            tr.step(loss=loss)
+            loss.backward()
+            opt.step()
+    return tr
+
+
+def _smoothed_ce(o: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(o, torch.tensor([0, 1, 2]), label_smoothing=0.1)
+
+
+def _hand_kl(o: torch.Tensor) -> torch.Tensor:
+    p = torch.tensor([[0.5, 0.5, 0.0, 0.0, 0.0, 0.0]] * 3)
+    return (p * (p.log() - F.softmax(o, -1).log())).sum(-1).mean()
+
+
+@pytest.mark.parametrize("make", [nantrace.trace, nantrace.watch], ids=["trace", "watch"])
+@pytest.mark.parametrize(("loss_fn", "kind"), [(_smoothed_ce, "inf"), (_hand_kl, "nan")], ids=["ce", "kl"])
+def test_logits_masked_with_masked_fill_minus_inf_are_no_fault_and_the_loss_over_them_is(
+    make: Any, loss_fn: Any, kind: str
+) -> None:
+    """`masked_fill(~allowed, -inf)` in the root's forward makes outputs of finite logits and -inf: an intended
+    mask value (its -inf comes from the -inf scalar only). The loss that weighs the masked entries (label
+    smoothing, p·log q with p = 0) is the fault. Before, the root was reported as overflowing float32 (-inf)."""
+    tr = _masked_logits_run(make, loss_fn)
+    ov = tr.first_overflow()
+    assert _where(ov) == (0, "loss", "", 0, "loss", kind)
+    d = tr.diagnose()
+    assert d.cause == "loss"
+    r = tr.records
+    out = r[(r["step"] == 0) & (r["phase"] == "forward") & (r["module"] == "") & (r["tensor"] == "output")]
+    assert int(out["n_neginf"].iloc[0]) == 6
+    absmax = nantrace._fmt.num(float(out["absmax"].iloc[0]))
+    assert d.evidence[0] == (
+        f"the model's outputs at step 0 held only a mask's -inf (6 values; finite absmax {absmax}) but the loss "
+        f"was {kind} (float32)"
+    )
+    assert d.advice[0] == (
+        "The model's outputs hold -inf where they are masked (6 values): a loss that weighs every output, such as "
+        "cross-entropy with `label_smoothing`, a KL divergence p·(log p − log q) or a sum of log-probabilities, "
+        "multiplies that -inf by a non-zero weight (inf) or by 0 (NaN). Mask with a large finite negative "
+        "(`torch.finfo(dtype).min`) instead of -inf, or leave the masked entries out of the loss."
+    )
+    assert d.summary == "The model's outputs held only a mask's -inf but the loss was non-finite at step 0."
+
+
+def test_the_drill_down_notes_the_op_that_made_an_intended_minus_inf() -> None:
+    tr = _masked_logits_run(nantrace.trace, _smoothed_ce)
+    assert _ops(tr) == [("", 0, "masked_fill", "mask")] * 2  # once per step: the -inf is new in each
