@@ -854,7 +854,7 @@ def _replay_micro_steps(r: Recording, micros: list[_Micro]) -> None:
             if not late:
                 r.record_loss(loss)
         done = [j for j, mj in enumerate(micros) if mj.backward_after == k + 1]
-        _replay_backward([(outputs[j], micros[j]) for j in done])
+        _replay_backward(r, [(outputs[j], micros[j]) for j in done])
         for j in done:
             for loss, late in micros[j].losses:
                 if late:
@@ -880,8 +880,10 @@ def _later_than_seen(chunks: list[dict[str, np.ndarray]], step: int, note: dict[
     return PHASES[first] if first > seen else None
 
 
-def _replay_backward(pairs: list[tuple[Any, _Micro]]) -> None:
-    """``torch.autograd.backward`` from the replayed outputs with the gradients the real outputs received."""
+def _replay_backward(r: Recording, pairs: list[tuple[Any, _Micro]]) -> None:
+    """``torch.autograd.backward`` from the replayed outputs with the gradients the real outputs received from
+    outside the model (:func:`_external_grads`: an output computed from another output, as a loss from the
+    logits returned beside it, already sends that one its share)."""
     tensors, grads = [], []
     for out, m in pairs:
         for path, t in flatten(out, "output"):
@@ -890,7 +892,62 @@ def _replay_backward(pairs: list[tuple[Any, _Micro]]) -> None:
                 tensors.append(t)
                 grads.append(g)
     if tensors:
+        r.rec.active = False  # the shares are computed by a backward of their own: not recorded
+        try:
+            tensors, grads = _external_grads(tensors, grads)
+        finally:
+            r.rec.active = True
         torch.autograd.backward(tensors, grads)
+
+
+def _reaches(start: Any, target: Any) -> bool:
+    """``target`` (an autograd node) is reachable from ``start`` by ``next_functions``."""
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        if node is target:
+            return True
+        seen.add(id(node))
+        todo.extend(n for n, _ in getattr(node, "next_functions", ()))
+    return False
+
+
+def _external_grads(
+    tensors: list[torch.Tensor], grads: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The gradient each output received from outside the model: the captured total minus what the outputs
+    computed from it sent it (HF models return ``loss`` and the ``logits`` it was computed from; the hook on
+    ``logits`` saw the loss's share). Outputs are taken downstream first; no value is read on the host. Without
+    this the replay's backward counts that share twice."""
+    nodes = [t.grad_fn for t in tensors]
+    n = len(tensors)
+    below = [
+        [i != j and nodes[j] is not None and _reaches(nodes[i], nodes[j]) for j in range(n)] for i in range(n)
+    ]
+    order: list[int] = []
+    while len(order) < n:  # j after every i that depends on it
+        ready = [j for j in range(n) if j not in order and all(i in order for i in range(n) if below[i][j])]
+        if not ready:  # a cycle cannot happen in autograd; keep the captured gradients if it did
+            return tensors, grads
+        order.extend(ready)
+    external: dict[int, torch.Tensor] = {}
+    for j in order:
+        ups = [i for i in order if below[i][j] and i in external]
+        g = grads[j]
+        if ups:
+            share = torch.autograd.grad(
+                [tensors[i] for i in ups],
+                [tensors[j]],
+                [external[i] for i in ups],
+                retain_graph=True,
+                allow_unused=True,
+            )[0]
+            if share is not None:  # equal elements (an inf the share made) leave nothing external
+                g = torch.where(g == share, torch.zeros_like(g), g - share)
+        external[j] = g
+    return tensors, [external[j] for j in range(n)]
 
 
 def _first_bad(flags: list[_Flag], host: np.ndarray) -> tuple[_Flag, int, float] | None:

@@ -1452,3 +1452,46 @@ def test_save_repro_of_a_step_watch_did_not_reproduce_reads_the_capture() -> Non
         nantrace.NantraceError, match=r"^save_repro: capture='first' watched every traced module"
     ):
         ov.save_repro("unused.repro")
+
+
+class LossAndLogits(nn.Module):
+    """Returns the loss and the logits it was computed from (as HF models do with ``labels``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(torch.relu(self.body(x)))
+        return {"loss": (logits.float() ** 2).mean(), "logits": logits}
+
+
+def _loss_and_logits_run(make: Any) -> nantrace.Trace:
+    torch.manual_seed(0)
+    m = LossAndLogits()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    with make(m, scaler=scaler, optimizer=opt) as tr:
+        for i in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = m(torch.randn(2, 4) * (300.0 if i == 1 else 1.0))
+            scaler.scale(out["loss"]).backward()
+            scaler.step(opt)
+            scaler.update()
+    return tr
+
+
+def test_a_replay_of_a_model_returning_its_loss_and_logits_records_what_the_real_step_did() -> None:
+    """The hook on `logits` saw the loss's share of their gradient; feeding it again beside the loss's gradient
+    counted that share twice (the replayed `head` gradients were 2× the real ones, and held +inf where the real
+    ones did not). The replay feeds each output what it received from outside the model."""
+    t, w = _loss_and_logits_run(nantrace.trace), _loss_and_logits_run(nantrace.watch)
+    cols = ["phase", "module", "tensor", "absmax", "min", "max", "n_nan", "n_posinf", "n_neginf", "n_zero"]
+    rows_t = t.records[t.records["step"] == 1][cols].reset_index(drop=True)
+    rows_w = w.records[w.records["step"] == 1][cols].reset_index(drop=True)
+    assert int(rows_t["n_posinf"].sum()) > 0  # the step did overflow in backward
+    pd.testing.assert_frame_equal(rows_t, rows_w)
+    assert w.steps.loc[w.steps["step"] == 1, "recorded"].iloc[0] == "replay"
+    assert t.first_overflow() == w.first_overflow()
