@@ -821,7 +821,7 @@ def clipping_text(clip: tuple[int, float, float]) -> str:
 def _calm_lr(run: Facts, lr: float) -> tuple[int, float, float] | None:
     """The last recorded step with a learning rate below ``lr`` whose update-to-weight ratio was below
     :data:`DIVERGENCE_UPDATE_RATIO` (near healthy): ``(step, its lr, its ratio)``, or ``None``."""
-    ratios = ratio_per_step(run.records)
+    ratios = ratio_per_step(run.records, run.written())
     calm = [
         (int(st), run.lr[int(st)], float(r))
         for st, r in zip(ratios.index.tolist(), ratios.tolist(), strict=True)

@@ -124,7 +124,7 @@ from . import _scale_causes as sc
 from ._diagnosis import COLLAPSE_RUN, QUIET_DIVERGENCE_GROWTH, QUIET_DIVERGENCE_LOSS_GROWTH, Diagnosis
 from ._evidence import WEIGHTS_HELD, headline, op_evidence
 from ._explain import first_overflow, overflows
-from ._facts import DivergenceFacts, Facts, divergence, fast_updates, overflow_from_row
+from ._facts import NORMALISED_STEP_BOUND, DivergenceFacts, Facts, divergence, fast_updates, overflow_from_row
 from ._fmt import num, steps_text
 from ._overflow import Overflow
 from ._view import RunView
@@ -419,6 +419,45 @@ def _diagnose(view: RunView, merged: list[Overflow] | None = None) -> Diagnosis:
     """:func:`diagnose` of one rank's view; ``merged``: the merged trace's events (one per step, the cross-rank
     producer) when ``view`` is the rank a merged diagnosis reads."""
     run = Facts(view)
+    return _with_written(run, _diagnose_run(run, merged))
+
+
+def _with_written(run: Facts, d: Diagnosis) -> Diagnosis:
+    """``d`` with a line for each parameter written outside ``optimizer.step()`` before its event (or in the
+    run, without one) that its evidence does not already name (:func:`nantrace._facts.written_outside`)."""
+    w = run.written()
+    if d.overflow is not None:
+        w = w[w["step"].to_numpy() <= d.overflow.step]
+    if not len(w) or any("written outside" in e for e in d.evidence):
+        return d
+    name = str(run.options.get("optimizer") or "the optimizer")
+    lines = []
+    cols = ("step", "gap", "module", "tensor", "absmax_before", "absmax", "lr", "bound", "updates")
+    for step, gap, module, tensor, before, after, lr, bound, n in zip(
+        *(w.head(3)[col].tolist() for col in cols), strict=True
+    ):
+        who = f"`{module}.{tensor}`" if module else f"`{tensor}`"
+        lines.append(
+            f"{who} had absmax {num(float(before))} after optimizer.step() of step {int(step) - int(gap)} and "
+            f"{num(float(after))} after that of step {step}: {name} moves a weight by at most about "
+            f"{num(NORMALISED_STEP_BOUND)}·lr per update (lr {num(float(lr))}: {num(float(bound))} over {n} "
+            "update(s)), so it was written outside optimizer.step()"
+        )
+    if len(w) > 3:
+        lines.append(
+            f"{len(w) - 3} more parameter change(s) of that size were written outside optimizer.step()"
+        )
+    advice = (
+        "Find what writes the weights outside optimizer.step() (a manual edit, a state-dict load, a weight "
+        "average): update-to-weight ratios and the steps after such a write follow from it, not from the "
+        "learning rate."
+    )
+    return replace(d, evidence=[*d.evidence, *lines], advice=[*d.advice, advice])
+
+
+def _diagnose_run(run: Facts, merged: list[Overflow] | None) -> Diagnosis:
+    """The rules of :func:`diagnose` over ``run``'s events."""
+    view = run.view
     world_size = view.meta.world_size
     producers = {ev.step: ev for ev in merged} if merged is not None else {}
     benign: list[Overflow] = []

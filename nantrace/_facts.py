@@ -37,6 +37,7 @@ from ._schema import MASK_KIND, DType
 from ._view import RunView
 
 __all__ = [
+    "NORMALISED_STEP_BOUND",
     "DivergenceFacts",
     "Facts",
     "Trend",
@@ -51,6 +52,8 @@ __all__ = [
     "trend",
     "unchanged_weights_loss_words",
     "update_ratios",
+    "without_written",
+    "written_outside",
 ]
 
 
@@ -110,6 +113,7 @@ class Facts:
         bad = loss_rows & self.nonfinite
         self._loss_bad_micro = set(zip(self.step[bad].tolist(), micro[bad].tolist(), strict=True))
         self._later: dict[tuple[int, int], Overflow | None] = {}
+        self._written: pd.DataFrame | None = None
         self._runs: dict[int, list[int]] = {}
         current: list[int] = []
         for s in self.step_ids:
@@ -138,6 +142,14 @@ class Facts:
         return any(v is not None for v in self.skipped.values()) or any(
             not math.isnan(v) for v in self.scale.values()
         )
+
+    def written(self) -> pd.DataFrame:
+        """The parameters written outside ``optimizer.step()`` (:func:`written_outside`), computed once."""
+        if self._written is None:
+            self._written = written_outside(
+                self.records, self.steps, str(self.options.get("optimizer") or "")
+            )
+        return self._written
 
     def stale_steps(self, steps: Sequence[int]) -> list[int]:
         """Those of ``steps`` at which some parameter's ``.grad`` already held inf/NaN before the step's backward
@@ -426,8 +438,70 @@ def update_ratios(records: pd.DataFrame) -> pd.DataFrame:
     return df[cols].sort_values(["step", "module", "tensor"]).reset_index(drop=True)
 
 
-def ratio_per_step(records: pd.DataFrame) -> pd.Series:
+#: A bound on one update's change of a weight, in learning rates, for optimizers whose per-element step does not
+#: scale with the gradient: Adam's |m̂/√v̂| stays below (1-β1)/√(1-β2) ≈ 3.2 at the default betas (31.6 with
+#: β1 = 0, β2 = 0.999), Adamax's step is at most lr/(1-β1^t), Lion's is ±lr.
+NORMALISED_STEP_BOUND = 32.0
+#: Decoupled weight decay shrinks a weight by lr·wd·|w| per update; wd ≤ 1 covers the usual 0.01–0.1.
+WEIGHT_DECAY_BOUND = 1.0
+
+
+def normalised_optimizer(name: str) -> bool:
+    """The optimizer class ``name`` (``Trace.options["optimizer"]``) takes steps bounded by its learning rate
+    (:data:`NORMALISED_STEP_BOUND`): the Adam family and Lion."""
+    low = name.lower()
+    return "adam" in low or low.startswith("lion")
+
+
+def written_outside(records: pd.DataFrame, steps: pd.DataFrame, optimizer: str) -> pd.DataFrame:
+    """The parameters whose absmax changed between two ``optimizer`` rows by more than the optimizer's updates in
+    between can move a weight: written outside ``optimizer.step()`` (a manual edit, a state-dict load, a weight
+    average). Only for an optimizer of :func:`normalised_optimizer`: its updates are bounded by
+    ``n · lr · (NORMALISED_STEP_BOUND + WEIGHT_DECAY_BOUND · |w|)`` over the ``n`` updates the steps between
+    applied (the ones the GradScaler did not skip), ``lr`` their largest recorded learning rate.
+
+    Returns:
+        DataFrame ``step, module, tensor, gap, absmax_before, absmax, bound, updates, lr`` (empty when none, or
+        when the optimizer or the learning rate is not known).
+    """
+    cols = ["step", "module", "tensor", "gap", "absmax_before", "absmax", "bound", "updates", "lr"]
     ur = update_ratios(records)
+    if not normalised_optimizer(optimizer) or not len(ur) or not len(steps) or "lr" not in steps.columns:
+        return pd.DataFrame(columns=cols)
+    st = steps["step"].to_numpy().astype(np.int64)
+    lr = steps["lr"].to_numpy(dtype=np.float64)
+    skipped = steps["skipped"].tolist() if "skipped" in steps.columns else [None] * len(st)
+    applied = np.array([not (v is not None and not pd.isna(v) and bool(v)) for v in skipped], dtype=bool)
+    out = []
+    cols_in = ("step", "module", "tensor", "gap", "absmax_before", "absmax")
+    for step, module, tensor, gap, before, after in zip(*(ur[c].tolist() for c in cols_in), strict=True):
+        between = (st > int(step) - int(gap)) & (st <= int(step)) & applied
+        n, lrs = int(between.sum()), lr[between]
+        if n == 0 or not np.isfinite(lrs).all():
+            continue
+        top = float(lrs.max())
+        bound = n * top * (NORMALISED_STEP_BOUND + WEIGHT_DECAY_BOUND * float(before))
+        if abs(float(after) - float(before)) > bound:
+            out.append((int(step), module, tensor, int(gap), float(before), float(after), bound, n, top))
+    return pd.DataFrame(out, columns=cols)
+
+
+def without_written(ur: pd.DataFrame, written: pd.DataFrame | None) -> pd.DataFrame:
+    """The rows of :func:`update_ratios` except those of the parameters ``written`` outside ``optimizer.step()``
+    at their step (:func:`written_outside`): what they changed is not an update."""
+    if written is None or not len(written) or not len(ur):
+        return ur
+    gone = set(
+        zip(written["step"].tolist(), written["module"].tolist(), written["tensor"].tolist(), strict=True)
+    )
+    keys = zip(ur["step"].tolist(), ur["module"].tolist(), ur["tensor"].tolist(), strict=True)
+    return ur[np.array([k not in gone for k in keys], dtype=bool)]
+
+
+def ratio_per_step(records: pd.DataFrame, written: pd.DataFrame | None = None) -> pd.Series:
+    """The median update-to-weight ratio per step (:func:`update_ratios`), leaving out the parameters
+    ``written`` outside ``optimizer.step()`` (:func:`written_outside`) at their step."""
+    ur = without_written(update_ratios(records), written)
     ur = ur[np.isfinite(ur["ratio"].to_numpy(dtype=np.float64))]
     if len(ur) == 0:
         return pd.Series(dtype=np.float64)
@@ -665,7 +739,7 @@ def short_divergence(run: Facts, before: int) -> DivergenceFacts | None:
     loss, gn = series_of(run.loss, steps), series_of(run.grad_norm, steps)
     lj = loss.iloc[-1] / loss.iloc[-2] if len(loss) >= 2 else math.nan
     gj = gn.iloc[-1] / gn.iloc[-2] if len(gn) >= 2 else math.nan
-    ratios = ratio_per_step(run.records)
+    ratios = ratio_per_step(run.records, run.written())
     ratios = ratios[(ratios.index >= steps[0]) & (ratios.index < before)]
     ratio = float(ratios.iloc[-1]) if len(ratios) else math.nan
     # the gradients of the step after the jump overflowed (its norm is not finite) and the loss never came back
@@ -673,6 +747,9 @@ def short_divergence(run: Facts, before: int) -> DivergenceFacts | None:
     later = _stuck_after(run, int(loss.index[-1]), float(loss.iloc[-2]), before) if len(loss) >= 2 else 0
     stuck = later > 0
     jump = lj >= DIVERGENCE_JUMP_LOSS and (gj >= DIVERGENCE_JUMP_GRAD_NORM or stuck)
+    w = run.written()
+    if jump and len(loss) >= 2 and bool(((w["step"] > loss.index[-2]) & (w["step"] <= loss.index[-1])).any()):
+        jump = False  # a weight written outside optimizer.step() between them: the jump is not the lr's
     fast = ratio >= DIVERGENCE_JUMP_UPDATE_RATIO and (lj >= DIVERGENCE_GROWTH or gj >= DIVERGENCE_GROWTH)
     if not (jump or fast):
         return None
@@ -810,7 +887,7 @@ def divergence(
     steps = [s for s in run.step_ids if t.first_step <= s <= t.last_step and s in fresh]
     loss = series_of(run.loss, steps)
     lt = trend(loss) if len(loss) >= DIVERGENCE_MIN_STEPS else None
-    ratios = ratio_per_step(run.records)
+    ratios = ratio_per_step(run.records, run.written())
     ratios = ratios[(ratios.index >= t.first_step) & (ratios.index <= t.last_step)]
     ratio = float(ratios.median()) if len(ratios) else math.nan
     wt = trend(run.weight_series(before).loc[t.first_step : t.last_step])
@@ -877,7 +954,7 @@ def fast_updates(run: Facts) -> DivergenceFacts | None:
     """Divergence read from the updates alone: the median update-to-weight ratio over the recorded steps is at
     least :data:`UNHEALTHY_UPDATE_RATIO` (100x the healthy 1e-3: each step changes the weights by a tenth of their
     size or more), whatever the activations did; ``None`` when it is lower or parameters were not recorded."""
-    ur = update_ratios(run.records)
+    ur = without_written(update_ratios(run.records), run.written())
     ur = ur[np.isfinite(ur["ratio"].to_numpy(dtype=np.float64))]
     if not len(ur):
         return None

@@ -17,7 +17,7 @@ from ._diagnosis import (
     UNDERFLOW_ZERO_FRACTION,
     Diagnosis,
 )
-from ._facts import Facts, data_growth_words, unchanged_weights_loss_words, update_ratios
+from ._facts import Facts, data_growth_words, unchanged_weights_loss_words, update_ratios, without_written
 from ._fmt import module_label, num, steps_text
 from ._overflow import Overflow
 from ._ranges import finite_absmax, headroom_table, own_parameters
@@ -525,7 +525,7 @@ def healthy(run: Facts) -> Diagnosis:
         evidence.append(
             f"least float16 headroom: {module_label(str(r['module']))} ({r['module_type']}), absmax {num(absmax)}, {room}"
         )
-    ur = update_ratios(run.records)["ratio"].to_numpy(dtype=np.float64)
+    ur = without_written(update_ratios(run.records), run.written())["ratio"].to_numpy(dtype=np.float64)
     ur = ur[np.isfinite(ur)]
     head = f"{len(run.step_ids)} steps, every recorded value finite"
     if ur.size:

@@ -1239,3 +1239,64 @@ def test_one_micro_batch_out_of_range_under_accumulation_is_named_as_that_batch(
         "Check the batch of step 1, micro-step 2: its inputs' absmax is ×666.7 that of the 5 before it (a corrupt "
         "or unnormalised sample); validate or clip inputs where they are loaded."
     )
+
+
+def _edited_bias_run(make: object = nantrace.trace) -> nantrace.Trace:
+    """AdamW at lr 1e-3 under fp16 autocast; before step 1 the loop sets one bias entry to 1000 (a Tanh after it
+    saturates, so nothing in the run is non-finite)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 16, generator=g) for _ in range(3)]
+    with make(m, scaler=scaler, optimizer=opt) as tr:  # type: ignore[operator]
+        for i, x in enumerate(xs):
+            if i == 1:
+                with torch.no_grad():
+                    m[2].bias[3] = 1000.0
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return tr
+
+
+def test_a_weight_written_between_adam_steps_is_named_and_not_taken_for_fast_updates() -> None:
+    """AdamW moves a weight by at most ~32·lr per update: a bias going 0.25 → 1000 across one update at lr 1e-3
+    was written outside optimizer.step(). Its change is left out of the update-to-weight ratio (before: 'ratio
+    337.1, the learning rate is too high', a divergence verdict on a run with no inf/NaN; found by the new-user
+    check) and the diagnosis names the write."""
+    tr = _edited_bias_run()
+    assert tr.first_overflow() is None
+    d = tr.diagnose()
+    assert d.cause == "healthy"
+    before = float(
+        tr.records.query("phase == 'optimizer' and module == '2' and tensor == 'bias' and step == 0")[
+            "absmax"
+        ].iloc[0]
+    )
+    assert (
+        f"`2.bias` had absmax {num(before)} after optimizer.step() of step 0 and 1000 after that of step 1: AdamW "
+        "moves a weight by at most about 32·lr per update (lr 0.001: "
+        f"{num(1e-3 * (32 + before))} over 1 update(s)), so it was written outside optimizer.step()"
+    ) in d.evidence
+    assert d.advice[-1] == (
+        "Find what writes the weights outside optimizer.step() (a manual edit, a state-dict load, a weight "
+        "average): update-to-weight ratios and the steps after such a write follow from it, not from the learning "
+        "rate."
+    )
+    ratio_line = next(e for e in d.evidence if e.startswith("update-to-weight ratio"))
+    top = float(ratio_line.rsplit("max ", 1)[1])
+    assert top < 0.1  # the write (×4000) is not an update
+
+
+def test_an_sgd_run_claims_no_write_it_cannot_bound() -> None:
+    """SGD's step scales with the gradient: no bound, so no parameter is said to be written outside."""
+    from nantrace._facts import written_outside
+
+    tr = _edited_bias_run()
+    assert len(written_outside(tr.records, tr.steps, "AdamW")) == 1
+    assert len(written_outside(tr.records, tr.steps, "SGD")) == 0
