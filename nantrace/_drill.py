@@ -42,7 +42,7 @@ from torch.nn.modules import module as _module_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._opfacts import named_operands, note_vanished, operand_facts
+from ._opfacts import TARGET_OPS, named_operands, note_vanished, operand_facts
 from ._schema import MASK_KIND
 from ._stats import describable, either_sign, op_input_kinds, tensor_kinds
 from ._tree import clone_tree, flatten, host_rngs_kept, plain_state, restore_plain
@@ -234,7 +234,8 @@ class FirstNonfinite(TorchFunctionMode):
             if new:
                 kind = next(k for k in _ORDER if k in new)
                 self.found = (name, kind, self.index - 1, user_line())
-                self.operands, self.result = named_operands(args, kwargs, snap), t
+                self.operands = named_operands(args, kwargs, snap, targets=name in TARGET_OPS)
+                self.result = t
                 self.hook = _running_hook(self.hooks)
                 raise Stop
         return out

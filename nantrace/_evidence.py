@@ -45,6 +45,7 @@ import torch
 from ._fmt import module_label, num, steps_text
 from ._hooks import CAST_OP
 from ._masks import lowest_masks
+from ._opfacts import TARGET_OPS
 from ._overflow import Overflow
 from ._ranges import finite_absmax, last_optimizer_row, weights_beyond
 from ._schema import KIND_WORDS, MASK_KIND, dtype_max
@@ -135,6 +136,8 @@ class Operand:
     param: str | None = None  # the replayed module's parameter this operand is (``weight``, ``0.bias``)
     frozen: str | None = None  # the replayed module's parameter that requires no grad
     buffer: str | None = None  # the replayed module's buffer this operand is
+    int_min: int | None = None  # an integer operand (a loss's targets): its smallest and largest value
+    int_max: int | None = None
 
     @property
     def nonfinite(self) -> bool:
@@ -178,6 +181,14 @@ class Operand:
         """``"arg1 (float16, 4 values): absmax 8, smallest |x| 0.5, 2 zeros, 1 negative"``."""
         if self.is_scalar:
             return f"{self.name} = {num(self.value)} (a Python number)"
+        values = f"{self.numel} value{'' if self.numel == 1 else 's'}"
+        if self.int_min is not None and self.int_max is not None:
+            span = (
+                f"every value {self.int_min}"
+                if self.int_min == self.int_max
+                else (f"values {self.int_min} to {self.int_max}")
+            )
+            return f"{self.name} ({self.dtype}, {values}): {span}"
         parts = [f"absmax {num(self.absmax)}"]
         if not math.isnan(self.absmin):
             parts.append(f"smallest non-zero |x| {num(self.absmin)}")
@@ -193,7 +204,6 @@ class Operand:
                 parts.append(f"{n} {w}{'s' if n > 1 and w in ('zero', 'negative') else ''}")
         roles = ((self.param, "parameter"), (self.frozen, "frozen parameter"), (self.buffer, "buffer"))
         own = next((f", {w} `{n}`" for n, w in roles if n), "")
-        values = f"{self.numel} value{'' if self.numel == 1 else 's'}"
         return f"{self.name} ({self.dtype}, {values}{own}): {', '.join(parts)}"
 
 
@@ -699,6 +709,17 @@ _UNIT_DOMAIN = ("acos", "asin", "arccos", "arcsin", "atanh", "arctanh", "erfinv"
 _OUTSIDE_DOMAIN = (" of a negative value", " beyond ±1", " of a value below 1", "at or below -1")
 
 
+def _all_ignored(ops: tuple[Operand, ...]) -> str | None:
+    """For a loss op of :data:`~nantrace._opfacts.TARGET_OPS`: the clause saying every target equals its
+    ``ignore_index`` (-100 unless given), so its mean is over no element; None otherwise."""
+    given = [o.value for o in ops if o.is_scalar and o.name == "ignore_index"]
+    ignore = int(given[0]) if given and given[0] is not None else -100
+    for o in ops:
+        if o.int_min is not None and o.int_min == o.int_max == ignore:
+            return f"every one of its {o.numel} targets ({o.name}) is ignore_index {ignore}"
+    return None
+
+
 def _singular(base: str, kind: str, ops: tuple[Operand, ...]) -> tuple[str, str] | None:
     """(because, what) when an operand sits at the op's singular point (module docstring, rule 4)."""
     tensors = [o for o in ops if not o.is_scalar] or list(ops)
@@ -715,6 +736,10 @@ def _singular(base: str, kind: str, ops: tuple[Operand, ...]) -> tuple[str, str]
     if base in ("fmod", "remainder") and kind == "nan" and len(ops) > 1 and ops[1].zeros:
         d = ops[1]
         return f"its divisor {d.name} holds {'0' if d.is_scalar else f'{d.n_zero} zero(s)'}", "x mod 0"
+    if base in TARGET_OPS and kind == "nan":
+        every = _all_ignored(ops)
+        if every is not None:
+            return every, "a mean over zero elements (0/0)"
     empty = bool(tensors) and tensors[0].numel == 0
     if base in ("mean", "nanmean", "var", "std", "var_mean", "std_mean") and kind == "nan" and empty:
         return f"its operand {tensors[0].name} holds no elements", "a mean over zero elements (0/0)"
@@ -1213,6 +1238,14 @@ def _singular_advice(ev: OpEvidence, name: str, base: str, scaled: bool) -> list
         out.append(
             f"In {name}: clamp the base away from 0 before a negative power (`x.clamp_min(eps) ** p`)."
         )
+    elif ev.what == "a mean over zero elements (0/0)" and base in TARGET_OPS:
+        out.append(
+            f"In {name}: every target of `{ev.op}` is `ignore_index`, so its mean is over no element: skip such "
+            "a batch (`if (labels != ignore_index).any()`), or take `reduction='sum'` and divide by the count of "
+            "kept targets clamped to 1."
+        )
+        out.append(_not_overflow(scaled, "a wider dtype does not remove it"))
+        return out
     elif ev.what == "a mean over zero elements (0/0)":
         out.append(
             f"In {name}: `{ev.op}` reduced an empty selection; skip it when nothing is selected, or sum and "

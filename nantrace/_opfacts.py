@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["named_operands", "note_vanished", "operand_facts", "tensor_facts"]
+__all__ = ["TARGET_OPS", "int_facts", "named_operands", "note_vanished", "operand_facts", "tensor_facts"]
 
 
 def tensor_facts(t: torch.Tensor) -> dict[str, Any]:
@@ -66,17 +66,38 @@ def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def named_operands(args: Any, kwargs: Any, snapshots: list[torch.Tensor] | None) -> list[tuple[str, Any]]:
+#: Ops whose integer operand (the targets) decides a NaN: every target equal to ``ignore_index`` is a mean over
+#: no element. Their integer tensors are operands too (:func:`int_facts`).
+TARGET_OPS = frozenset({"cross_entropy", "nll_loss"})
+
+
+def int_facts(t: torch.Tensor) -> dict[str, Any]:
+    """``dtype, numel, shape`` and the smallest and largest value of an integer tensor (targets)."""
+    x = t.detach().reshape(-1)
+    lo, hi = (int(x.min()), int(x.max())) if x.numel() else (0, -1)
+    return {
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "numel": int(x.numel()),
+        "shape": list(t.shape),
+        "int_min": lo,
+        "int_max": hi,
+    }
+
+
+def named_operands(
+    args: Any, kwargs: Any, snapshots: list[torch.Tensor] | None, *, targets: bool = False
+) -> list[tuple[str, Any]]:
     """``(name, tensor or number)`` for an op's floating tensors and Python numbers, in argument order; the
-    tensors of an in-place op replaced, in order, by ``snapshots`` (copies taken before it ran)."""
+    tensors of an in-place op replaced, in order, by ``snapshots`` (copies taken before it ran). ``targets``:
+    integer tensors too (an op of :data:`TARGET_OPS`)."""
     out: list[tuple[str, Any]] = []
 
     def add(name: str, v: Any) -> None:
         if isinstance(v, torch.Tensor):
-            if (
-                v.is_floating_point()  # an empty tensor too: a mean over it is 0/0
-                and v.layout == torch.strided
-                and v.device.type != "meta"
+            usable = v.layout == torch.strided and v.device.type != "meta"
+            # a floating tensor, an empty one too (a mean over it is 0/0); an op's targets
+            if usable and (
+                v.is_floating_point() or (targets and not v.is_complex() and v.dtype != torch.bool)
             ):
                 out.append((name, v))
         elif _is_number(v):
@@ -130,7 +151,7 @@ def operand_facts(
     ops: list[dict[str, Any]] = []
     for name, v in operands:
         if isinstance(v, torch.Tensor):
-            entry = {"name": name, **tensor_facts(v)}
+            entry = {"name": name, **(tensor_facts(v) if v.is_floating_point() else int_facts(v))}
             if owned and id(v) in owned:
                 entry.update([owned[id(v)]])
             ops.append(entry)

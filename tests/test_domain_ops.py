@@ -182,3 +182,58 @@ def test_a_backward_nan_whose_forward_discarded_nothing_points_to_a_derivative_a
     text = str(ov)
     assert "torch.where/mask that discards" not in text
     assert "Not an overflow: no forward op is named whose non-finite value the forward discarded" in text
+
+
+class LossInside(nn.Module):
+    """Computes its loss in its forward, as HF models do with ``labels``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.fc(x)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_a_cross_entropy_whose_every_label_is_ignored_is_a_mean_over_no_element() -> None:
+    """Step 1's labels are all -100: cross_entropy's mean is 0/0. The drill-down records its integer targets, so
+    the event says so and the advice is to skip such a batch; before, 'NaN from finite operands: clamp them or
+    compute in float32' (found by the new-user check on GPT-2 with every label -100)."""
+    torch.manual_seed(0)
+    m = LossInside()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    with nantrace.trace(m, optimizer=opt) as tr:
+        for i in range(2):
+            labels = torch.full((3,), -100) if i == 1 else torch.tensor([0, 1, 2])
+            opt.zero_grad()
+            out = m(torch.randn(3, 4), labels)
+            tr.step(loss=out["loss"])
+            out["loss"].backward()
+            opt.step()
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase, ov.module, ov.tensor, ov.kind) == (
+        1,
+        "forward",
+        "",
+        "output.loss",
+        "nan",
+    )
+    lines = str(ov).splitlines()
+    assert lines[0] == (
+        "step 1 forward: the root model (`cross_entropy`) hit a singular point: a mean over zero elements (0/0) "
+        "gave NaN (float32)"
+    )
+    assert (
+        "the producing op: `cross_entropy` (singular: every one of its 3 targets (arg1) is ignore_index -100)"
+        in lines
+    )
+    assert "operand arg1 (int64, 3 values): every value -100" in lines
+    d = tr.diagnose()
+    assert d.cause == "invalid_op"
+    assert d.advice == [
+        "In the root model: every target of `cross_entropy` is `ignore_index`, so its mean is over no element: "
+        "skip such a batch (`if (labels != ignore_index).any()`), or take `reduction='sum'` and divide by the "
+        "count of kept targets clamped to 1.",
+        "Not an overflow: a wider dtype does not remove it.",
+    ]
