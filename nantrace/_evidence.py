@@ -1023,6 +1023,12 @@ def outputs_words(outs: pd.DataFrame) -> str:
     return f"were finite (absmax {num(finite_absmax(outs))})"
 
 
+#: The first advice for a NaN loss from finite outputs when some overflow bound also holds.
+NAN_LOSS = (
+    "A NaN loss from finite outputs is made by the loss's own arithmetic or what it is given: 0/0, 0·inf, the log "
+    "or sqrt of a negative, a NaN in the targets or in a factor the loop multiplies the loss by; check those first."
+)
+
 #: The first advice for a non-finite loss from outputs holding a mask's -inf.
 MASKED_LOSS = (
     "The model's outputs hold -inf where they are masked ({n} values): a loss that weighs every output, such as "
@@ -1074,6 +1080,11 @@ def loss_advice(outs: pd.DataFrame, loss_dtype: str, kind: str = "inf") -> list[
             f"The loss is {loss_dtype} and non-finite from finite outputs: {made}. Compute it in float32 from the "
             "outputs (`loss_fn(output.float(), target.float())`) and check the targets."
         )
+    if kind == "nan" and advice:  # the bounds are overflows: they make NaN only through a later inf − inf
+        advice = [
+            NAN_LOSS,
+            *(f"If an op of the loss overflowed first (inf − inf is NaN): {a}" for a in advice),
+        ]
     if masked_outputs(outs):
         advice.insert(0, MASKED_LOSS.format(n=masked_outputs(outs)))
     if not advice:

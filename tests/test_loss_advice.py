@@ -156,3 +156,19 @@ def test_a_float16_loss_whose_own_arithmetic_overflows_is_told_to_compute_in_flo
         "(`loss_fn(output.float(), target.float())`) and check the targets."
     )
     assert not any("symptom" in e for e in d.evidence)
+
+
+def test_a_nan_loss_is_told_its_own_causes_first_and_overflow_bounds_only_as_a_way_to_inf_minus_inf() -> None:
+    """The bounds are about inf; a NaN loss (the loop multiplied it by NaN, a 0/0) comes first from the loss's
+    own arithmetic (found by the new-user check: a NaN loss was told to cast its float16 outputs)."""
+    outs = _outs(min=-18.5, max=19.0, absmax=19.0)
+    got = loss_advice(outs, "float32", "nan")
+    assert got[0] == (
+        "A NaN loss from finite outputs is made by the loss's own arithmetic or what it is given: 0/0, 0·inf, the "
+        "log or sqrt of a negative, a NaN in the targets or in a factor the loop multiplies the loss by; check those "
+        "first."
+    )
+    assert got[1:] == [
+        "If an op of the loss overflowed first (inf − inf is NaN): " + a
+        for a in loss_advice(outs, "float32", "inf")
+    ]
