@@ -402,7 +402,9 @@ def _run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:
         flag = next((f for f in ("phases", "every", "modules") if str(e).startswith(f)), None)
         value = getattr(args, flag) if flag is not None else None
-        _err(f"--{flag} {value!r}: {e}" if flag is not None else str(e))
+        # the option's own spelling: `every=1` of the API is `--every 1` here
+        text = str(e).replace(f"{flag}= ", f"--{flag} ").replace(f"{flag}=", f"--{flag} ") if flag else str(e)
+        _err(f"--{flag} {value!r}: {text}" if flag is not None else text)
         return EXIT_USAGE
     if args.tensorboard is not None:
         try:

@@ -273,6 +273,18 @@ def test_usage_errors(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert "--phases 'forward,bogus'" in r.stderr
     assert r.stdout == ""  # the script did not run
+    r = subprocess.run(
+        [sys.executable, "-m", "nantrace", "run", "--every", "0", str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "nantrace: error: --every 0: every must be an int ≥ 1 (record full statistics every N-th step); got 0. "
+        "Use --every 1 to record every step."
+    )
 
 
 def test_api_restores_hooks_scaler_argv_and_path(tmp_path: Path) -> None:
