@@ -60,8 +60,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ._masks import is_mask
-from ._schema import MASK_KIND, PHASE_RANK, DType
+from ._masks import intended_rows, is_mask
+from ._schema import PHASE_RANK, DType
 
 __all__ = [
     "KIND_PRIORITY",
@@ -187,33 +187,14 @@ def _op_rows(
     return extra
 
 
-def _intended(df: pd.DataFrame, ops: pd.DataFrame | None) -> np.ndarray:
-    """Boolean array over ``df``: the forward output rows of module calls whose -inf the drill-down showed was
-    made only by ops taking a -inf scalar (``ops.kind`` :data:`~nantrace._schema.MASK_KIND`): intended mask
-    values, like a mask input (rule 3), when the row holds no NaN or +inf."""
-    out = np.zeros(len(df), dtype=bool)
-    if ops is None or not len(ops) or "kind" not in ops.columns:
-        return out
-    made = ops[ops["kind"].astype(str).to_numpy() == MASK_KIND]
-    if not len(made):
-        return out
-    calls = set(
-        zip(
-            made["micro_step"].tolist(),
-            made["module"].astype(str).tolist(),
-            made["call"].tolist(),
-            strict=True,
-        )
-    )
-    tensors = df["tensor"].astype(str).to_numpy().astype(str)
-    where = (df["phase"].astype(str).to_numpy() == "forward") & np.char.startswith(tensors, "output")
-    where &= (
-        (df["n_nan"].to_numpy() == 0) & (df["n_posinf"].to_numpy() == 0) & (df["n_neginf"].to_numpy() > 0)
-    )
-    keys = zip(df["micro_step"].tolist(), df["module"].astype(str).tolist(), df["call"].tolist(), strict=True)
-    for i, key in enumerate(keys):
-        out[i] = bool(where[i]) and key in calls
-    return out
+#: The ops that make a mask's -inf from finite values: a log of a 0/1 mask (``mask.log()``). Any other op that
+#: makes -inf from finite operands (a linear, a matmul, a product, an exp) overflowed.
+MASK_BUILDERS = frozenset({"log", "log2", "log10"})
+
+
+def _base_op(op: str) -> str:
+    """``"log_"`` / ``"Tensor.log"`` → ``"log"`` (the drill-down's op names are torch function names)."""
+    return op.split(".")[-1].strip("_")
 
 
 def first_in_step(
@@ -222,11 +203,17 @@ def first_in_step(
     """The first row of one step holding a wanted kind not seen before, that kind, and the torch op that made
     it when a forward replay found one (``ops``)."""
     df = _ordered(step_df)
-    mask = is_mask(df) | _intended(df, ops)
+    extra = _op_rows(df, wanted, ops)
+    mask = is_mask(df) | intended_rows(df, ops)
+    for i, (
+        k,
+        op,
+    ) in extra.items():  # -inf an op overflowed to is no mask, whatever the values (a log builds one)
+        if k == "neginf" and _base_op(op) not in MASK_BUILDERS:
+            mask[i] = False
     phase = df["phase"].astype(str).to_numpy()
     activation = (phase == "data") | (phase == "forward")
     has = {k: df[f"n_{k}"].to_numpy() > 0 for k in wanted}
-    extra = _op_rows(df, wanted, ops)
     masked = False  # an attention mask's -inf is around: passing it on (in activations) is not producing it
     for i in range(len(df)):
         kinds = by_priority(k for k in wanted if has[k][i])

@@ -20,12 +20,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ._schema import dtype_max
+from ._schema import MASK_KIND, dtype_max
 
 __all__ = [
     "FEATURES",
     "MASK_WORDS",
     "RULE_COLUMNS",
+    "intended_rows",
     "is_mask",
     "lowest_masks",
     "mask_named",
@@ -93,9 +94,36 @@ def is_mask(df: pd.DataFrame) -> np.ndarray:
     )
 
 
-def unmasked(df: pd.DataFrame) -> pd.DataFrame:
+def intended_rows(df: pd.DataFrame, ops: pd.DataFrame | None) -> np.ndarray:
+    """Boolean array over ``df`` (records): the forward output rows, holding -inf and no NaN or +inf, of module
+    calls whose -inf the drill-down showed was made only by ops taking a -inf scalar (``ops.kind`` equal to
+    :data:`~nantrace._schema.MASK_KIND`: masked logits, a causal mask built in the forward): intended mask
+    values, like a mask input (rule 3)."""
+    out = np.zeros(len(df), dtype=bool)
+    if ops is None or not len(ops) or "kind" not in ops.columns or not len(df):
+        return out
+    made = ops[ops["kind"].astype(str).to_numpy() == MASK_KIND]
+    if not len(made):
+        return out
+    key_cols = ["step", "micro_step", "module", "call"]
+    if "rank" in made.columns and "rank" in df.columns:
+        key_cols.append("rank")
+    calls = set(zip(*(made[c].astype(str).tolist() for c in key_cols), strict=True))
+    tensors = df["tensor"].astype(str).to_numpy().astype(str)
+    where = (df["phase"].astype(str).to_numpy() == "forward") & np.char.startswith(tensors, "output")
+    where &= (
+        (df["n_nan"].to_numpy() == 0) & (df["n_posinf"].to_numpy() == 0) & (df["n_neginf"].to_numpy() > 0)
+    )
+    keys = zip(*(df[c].astype(str).tolist() for c in key_cols), strict=True)
+    for i, key in enumerate(keys):
+        out[i] = bool(where[i]) and key in calls
+    return out
+
+
+def unmasked(df: pd.DataFrame, ops: pd.DataFrame | None = None) -> pd.DataFrame:
     """``df`` (records) with each attention mask's -inf left out of its counts: ``n_neginf`` is 0 on the rows
-    :func:`is_mask` calls masks (their ``absmax`` is already over finite values only).
+    :func:`is_mask` calls masks, and on those ``ops`` shows were masked in the forward (:func:`intended_rows`;
+    their ``absmax`` is already over finite values only).
 
     For what people read as overflow (headroom tables, absmax summaries, reprs, plots): a mask's -inf is
     intended, never an overflow. ``records`` itself keeps the counts. A frame lacking one of
@@ -103,7 +131,7 @@ def unmasked(df: pd.DataFrame) -> pd.DataFrame:
     """
     if not len(df) or any(c not in df.columns for c in RULE_COLUMNS):
         return df
-    mask = is_mask(df)
+    mask = is_mask(df) | intended_rows(df, ops)
     if not mask.any():
         return df
     out = df.copy()

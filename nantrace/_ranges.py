@@ -92,15 +92,18 @@ def finite_absmax(rows: pd.DataFrame) -> float:
     return float(v.max()) if v.size else math.nan
 
 
-def headroom_table(records: pd.DataFrame, limit: float = FP16_MAX, top: int = 5) -> pd.DataFrame:
+def headroom_table(
+    records: pd.DataFrame, limit: float = FP16_MAX, top: int = 5, ops: pd.DataFrame | None = None
+) -> pd.DataFrame:
     """Modules with the least headroom: ``log2(limit / absmax)`` bits (fp16 limit 65504), smallest first.
 
     Columns: ``module, module_type, absmax, headroom_bits``; over forward rows (activations; gradients carry the
     loss scale). A module that held ±inf has ``absmax = inf`` and ``headroom_bits = -inf`` (it overflowed); an
     attention mask's -inf (:mod:`nantrace._masks`) is not an overflow and does not count, nor does a finite mask
-    of ``torch.finfo(dtype).min`` values (:func:`nantrace._masks.lowest_masks`).
+    of ``torch.finfo(dtype).min`` values (:func:`nantrace._masks.lowest_masks`), nor -inf that ``ops`` (the
+    drill-down) shows was masked in the forward (``masked_fill(m, -inf)``).
     """
-    rows = unmasked(records[records["phase"].astype(str) == "forward"])
+    rows = unmasked(records[records["phase"].astype(str) == "forward"], ops)
     if len(rows):
         rows = rows[~lowest_masks(rows)]  # a finfo.min mask's absmax is no activation's range
     if len(rows) == 0:

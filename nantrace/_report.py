@@ -44,7 +44,7 @@ def _summary(view: RunView) -> dict[str, Any]:
         "dtypes": dtypes,
         "skipped": skipped,
         "overflow": first_overflow(view),
-        "headroom": headroom_table(rec),
+        "headroom": headroom_table(rec, ops=view.ops),
     }
 
 

@@ -513,7 +513,7 @@ def healthy(run: Facts) -> Diagnosis:
     skips = skips_text(run)
     if skips:
         evidence.append(skips)
-    hr = headroom_table(run.records, top=1)
+    hr = headroom_table(run.records, top=1, ops=run.ops)
     if len(hr):
         r = hr.iloc[0]
         bits, absmax = float(r["headroom_bits"]), float(r["absmax"])

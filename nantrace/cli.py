@@ -547,7 +547,7 @@ def _bf16_note(tr: Any) -> None:
     from ._ranges import headroom_table
     from ._schema import FP16_MAX
 
-    hr = headroom_table(tr.records, top=10_000)  # forward activations only
+    hr = headroom_table(tr.records, top=10_000, ops=tr.ops)  # forward activations only
     over = hr[hr["absmax"] > FP16_MAX]
     print(
         "\nbfloat16 has float32's 8 exponent bits (max 3.39e38) where float16 has 5 (max 65504): "

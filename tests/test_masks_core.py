@@ -374,8 +374,9 @@ def test_logits_masked_with_masked_fill_minus_inf_are_no_fault_and_the_loss_over
     assert d.advice[0] == (
         "The model's outputs hold -inf where they are masked (6 values): a loss that weighs every output, such as "
         "cross-entropy with `label_smoothing`, a KL divergence p·(log p − log q) or a sum of log-probabilities, "
-        "multiplies that -inf by a non-zero weight (inf) or by 0 (NaN). Mask with a large finite negative "
-        "(`torch.finfo(dtype).min`) instead of -inf, or leave the masked entries out of the loss."
+        "multiplies that -inf by a non-zero weight (inf) or by 0 (NaN). Leave the masked entries out of the loss: "
+        "spread label smoothing over the allowed entries only, and sum p·log q where p > 0 (`torch.xlogy`, "
+        "`F.kl_div`); a finite stand-in for -inf (`torch.finfo(dtype).min`) keeps the loss finite but huge."
     )
     assert d.summary == "The model's outputs held only a mask's -inf but the loss was non-finite at step 0."
 
@@ -383,3 +384,48 @@ def test_logits_masked_with_masked_fill_minus_inf_are_no_fault_and_the_loss_over
 def test_the_drill_down_notes_the_op_that_made_an_intended_minus_inf() -> None:
     tr = _masked_logits_run(nantrace.trace, _smoothed_ce)
     assert _ops(tr) == [("", 0, "masked_fill", "mask")] * 2  # once per step: the -inf is new in each
+
+
+def _zero_and_overflow_head(rows: int) -> nn.Linear:
+    """fp16 Linear(4→rows) whose row 0 is 0 and other rows -1000: on inputs of 100 it gives 0 and -400000 → -inf,
+    an output of only 0 and -inf that no mask made."""
+    head = nn.Linear(4, rows, bias=False).half()
+    with torch.no_grad():
+        head.weight[0].fill_(0.0)
+        head.weight[1:].fill_(-1000.0)
+    return head
+
+
+@pytest.mark.parametrize("make", [nantrace.trace, nantrace.watch], ids=["trace", "watch"])
+def test_an_overflow_to_minus_inf_beside_zeros_is_the_modules_fault_not_a_mask(make: Any) -> None:
+    """The value rule alone (only 0 and -inf) would call `1`'s output a mask; the replay shows `linear` made the
+    -inf from finite operands with no -inf scalar: an overflow (a log of a 0/1 mask would build one). Before,
+    nothing was reported (found by the third new-user check)."""
+    m = nn.Sequential(nn.Identity(), _zero_and_overflow_head(2))
+    with make(m) as tr:
+        m(torch.full((1, 4), 100.0, dtype=torch.float16))
+    assert _where(tr.first_overflow()) == (0, "forward", "1", 0, "output", "inf")
+    assert _ops(tr) == [("1", 0, "linear", "neginf")]
+
+
+def test_the_nan_a_later_layer_makes_of_that_overflow_is_not_called_a_masked_row() -> None:
+    mix = nn.Linear(3, 1, bias=False).half()
+    with torch.no_grad():
+        mix.weight.copy_(torch.tensor([[1.0, 1.0, -1.0]]))
+    m = nn.Sequential(nn.Identity(), _zero_and_overflow_head(3), mix)
+    with nantrace.trace(m) as tr:
+        m(torch.full((1, 4), 100.0, dtype=torch.float16))
+    assert _where(tr.first_overflow()) == (0, "forward", "1", 0, "output", "inf")
+    assert tr.diagnose().cause == "forward_overflow"
+
+
+def test_a_healthy_run_with_masked_logits_shows_no_minus_inf_in_its_headroom_line() -> None:
+    """DESIGN: a mask's -inf is never shown as an overflow, in text or tables of headroom. The masked logits'
+    row holds finite values and the masked_fill's -inf; the headroom line was 'the root model (M), absmax inf,
+    exceeds float16's 65504 by inf bits' (found by the third new-user check)."""
+    tr = _masked_logits_run(nantrace.trace, lambda o: F.cross_entropy(o, torch.tensor([0, 1, 2])))
+    d = tr.diagnose()
+    assert d.cause == "healthy"
+    line = next(e for e in d.evidence if e.startswith("least float16 headroom"))
+    assert "inf" not in line.replace("float16", "")
+    assert line.startswith("least float16 headroom: `fc` (Linear), absmax ")
