@@ -564,7 +564,7 @@ def _invalid_backward(run: Facts, ev: Overflow) -> Diagnosis:
         zeros = int(fwd["n_zero"].sum()) if len(fwd) else 0
         if zeros:
             evidence.append(f"its forward output held {zeros} exact zero(s) at that step")
-        evidence.append(KEPT_DERIVATIVE[0].upper() + KEPT_DERIVATIVE[1:].rstrip("."))
+        evidence.append(KEPT_DERIVATIVE[0].upper() + KEPT_DERIVATIVE[1:])
         return Diagnosis(
             "invalid_op",
             ev,

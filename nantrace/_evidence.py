@@ -340,18 +340,22 @@ def _call_ops(view: RunView, ov: Overflow, reaches: bool) -> pd.DataFrame | None
     return o[m]
 
 
-#: A backward NaN of a call for which the drill-down named no forward value that the forward discarded: the
-#: derivative at a finite value the forward kept (sqrt or a norm at 0) is the likely source. One sentence and
-#: its fix, for the explanation and the diagnosis.
+#: A backward NaN of a call for which the drill-down named no forward value that the forward discarded: either
+#: such a value went unseen or a derivative at a finite value the forward kept (sqrt or a norm at 0) made it.
+#: One sentence and its fix, for the explanation and the diagnosis.
 KEPT_DERIVATIVE = (
-    "no forward op is named whose non-finite value the forward discarded, so the NaN likely comes from a "
-    "derivative that is infinite at a finite value the forward kept, times a zero: sqrt or a norm at 0 (the "
-    "derivative of sqrt(s) is 1/(2·sqrt(s)), inf at s = 0, and inf·0 = NaN), x**p with 0 < p < 1 at 0, acos or "
-    "asin at ±1; or from an intermediate of the backward beyond its dtype's max."
+    "no forward op is named whose non-finite value the forward discarded (the forward is replayed only when its "
+    "recorded statistics point to one), so the NaN comes from one of these kinds: a value a `torch.where`/mask "
+    "discarded in forward (log or log1p at 0, x/0) whose derivative is still taken, or a derivative that is "
+    "infinite at a finite value the forward kept, times a zero (sqrt or a norm at 0: the derivative of sqrt(s) "
+    "is 1/(2·sqrt(s)), inf at s = 0, and inf·0 = NaN; x**p with 0 < p < 1 at 0; acos or asin at ±1), or an "
+    "intermediate of the backward beyond its dtype's max (inf − inf)"
 )
 KEPT_DERIVATIVE_FIX = (
-    "Keep the argument off that point: `(s + eps).sqrt()` for `s.sqrt()`, `F.normalize(x, eps=1e-6)` or "
-    "`(x.pow(2).sum(-1) + eps).sqrt()` for `x.norm(dim=-1)`, `x.clamp_min(eps) ** p` for a fractional power."
+    "Make the argument safe *before* the op: for a discarded value, `torch.where(keep, f(torch.where(keep, x, "
+    "1.0)), 0.0)`; for a kept one, `(s + eps).sqrt()` for `s.sqrt()`, `F.normalize(x, eps=1e-6)` or "
+    "`(x.pow(2).sum(-1) + eps).sqrt()` for `x.norm(dim=-1)`, `x.clamp_min(eps) ** p` for a fractional power. "
+    "`nantrace.hunt` on this step names the op."
 )
 
 
@@ -1033,8 +1037,9 @@ NAN_LOSS = (
 MASKED_LOSS = (
     "The model's outputs hold -inf where they are masked ({n} values): a loss that weighs every output, such as "
     "cross-entropy with `label_smoothing`, a KL divergence p·(log p − log q) or a sum of log-probabilities, "
-    "multiplies that -inf by a non-zero weight (inf) or by 0 (NaN). Mask with a large finite negative "
-    "(`torch.finfo(dtype).min`) instead of -inf, or leave the masked entries out of the loss."
+    "multiplies that -inf by a non-zero weight (inf) or by 0 (NaN). Leave the masked entries out of the loss: "
+    "spread label smoothing over the allowed entries only, and sum p·log q where p > 0 (`torch.xlogy`, "
+    "`F.kl_div`); a finite stand-in for -inf (`torch.finfo(dtype).min`) keeps the loss finite but huge."
 )
 
 
@@ -1265,9 +1270,14 @@ def _singular_advice(ev: OpEvidence, name: str, base: str, scaled: bool) -> list
         out.append(_not_overflow(scaled, "a wider dtype does not remove it"))
         return out
     elif ev.what.endswith(" beyond ±1"):
+        rounds = (
+            "; a cosine or a normalised value can round past 1"
+            if base in ("acos", "asin", "arccos", "arcsin")
+            else ""
+        )
         out.append(
-            f"In {name}: {op} is defined on [-1, 1] only, and its argument reached {num(_arg_absmax(ev))}: "
-            "clamp it first (`x.clamp(-1 + eps, 1 - eps)`; a cosine or a normalised value can round past 1)."
+            f"In {name}: {op} is defined on [-1, 1] only, and its argument's |x| reached {num(_arg_absmax(ev))}: "
+            f"clamp it first (`x.clamp(-1 + eps, 1 - eps)`{rounds})."
         )
         out.append(
             _not_overflow(scaled, "a wider dtype rounds less but does not remove it without the clamp")

@@ -399,7 +399,7 @@ def _backward_tail(ev: Event, scale: float, name: str) -> str:
     if ev.raw_kind == "nan":
         scaled = " (a lower loss scale does not remove it)" if scale != 1.0 and not math.isnan(scale) else ""
         if ev.op is None:  # no forward value was discarded: a derivative at a value the forward kept
-            return f" Not an overflow{scaled}: {KEPT_DERIVATIVE} {KEPT_DERIVATIVE_FIX}"
+            return f" Not an overflow{scaled}: {KEPT_DERIVATIVE}. {KEPT_DERIVATIVE_FIX}"
         return (
             f" Not an overflow{scaled}: an op whose derivative is not finite at "
             "the values it saw (inf for log/log1p or sqrt at 0 and x/0, NaN for sqrt/log of a negative) under a "

@@ -103,8 +103,8 @@ def _check_objects(model: Any, scaler: Any, optimizer: Any) -> None:
         )
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         swapped = (
-            " It is an optimizer: pass it by name, trace(model, optimizer=opt) (the second positional argument is "
-            "the scaler)."
+            " It is an optimizer: pass it as optimizer=opt (by position, the scaler comes first: model, scaler, "
+            "optimizer)."
             if isinstance(scaler, torch.optim.Optimizer)
             else ""
         )
@@ -115,8 +115,8 @@ def _check_objects(model: Any, scaler: Any, optimizer: Any) -> None:
         )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         swapped = (
-            " It is a GradScaler: pass it by name, trace(model, scaler=scaler, optimizer=opt) (the third "
-            "positional argument is the optimizer)."
+            " It is a GradScaler: pass it as scaler=scaler (by position, the scaler comes first: model, scaler, "
+            "optimizer)."
             if isinstance(optimizer, torch.amp.GradScaler)
             else ""
         )

@@ -51,7 +51,7 @@ CASES = {
         torch.tensor([1.001, 0.5], dtype=torch.float16),
         "step 0 forward: `1` (`acos`) went outside its domain: acos of a value beyond ±1 gave NaN (float16)",
         [
-            "In `1`: `acos` is defined on [-1, 1] only, and its argument reached 1.001: clamp it first "
+            "In `1`: `acos` is defined on [-1, 1] only, and its argument's |x| reached 1.001: clamp it first "
             "(`x.clamp(-1 + eps, 1 - eps)`; a cosine or a normalised value can round past 1).",
             "Not an overflow: a wider dtype rounds less but does not remove it without the clamp.",
         ],
@@ -148,10 +148,10 @@ class TwoViews(nn.Module):
         return self.dist(self.enc(x1), self.enc(x2))
 
 
-def test_a_backward_nan_whose_forward_discarded_nothing_points_to_a_derivative_at_a_kept_value() -> None:
+def test_a_backward_nan_with_no_discarded_op_named_gives_both_kinds_and_their_fixes() -> None:
     """Two identical views: the distance is sqrt(0) = 0 (finite), its derivative 1/(2·sqrt(0)) = inf times
-    2·(a − b) = 0 is NaN in backward. No torch.where discarded anything, so the fix is an eps inside the sqrt,
-    not the where-recipe of a discarded value."""
+    2·(a − b) = 0 is NaN in backward. No forward op was named, so the text gives both kinds it can be (a value a
+    where discarded, a derivative at a kept value) with the fix of each, instead of only the where-recipe."""
     torch.manual_seed(0)
     m = TwoViews()
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
@@ -168,15 +168,18 @@ def test_a_backward_nan_whose_forward_discarded_nothing_points_to_a_derivative_a
     assert d.cause == "invalid_op"
     assert d.evidence[2:] == [
         "its forward output held 3 exact zero(s) at that step",
-        "No forward op is named whose non-finite value the forward discarded, so the NaN likely comes from a "
-        "derivative that is infinite at a finite value the forward kept, times a zero: sqrt or a norm at 0 (the "
-        "derivative of sqrt(s) is 1/(2·sqrt(s)), inf at s = 0, and inf·0 = NaN), x**p with 0 < p < 1 at 0, acos "
-        "or asin at ±1; or from an intermediate of the backward beyond its dtype's max",
+        "No forward op is named whose non-finite value the forward discarded (the forward is replayed only when "
+        "its recorded statistics point to one), so the NaN comes from one of these kinds: a value a "
+        "`torch.where`/mask discarded in forward (log or log1p at 0, x/0) whose derivative is still taken, or a "
+        "derivative that is infinite at a finite value the forward kept, times a zero (sqrt or a norm at 0: the "
+        "derivative of sqrt(s) is 1/(2·sqrt(s)), inf at s = 0, and inf·0 = NaN; x**p with 0 < p < 1 at 0; acos or "
+        "asin at ±1), or an intermediate of the backward beyond its dtype's max (inf − inf)",
     ]
     assert d.advice == [
-        "In the backward of `dist`: keep the argument off that point: `(s + eps).sqrt()` for `s.sqrt()`, "
-        "`F.normalize(x, eps=1e-6)` or `(x.pow(2).sum(-1) + eps).sqrt()` for `x.norm(dim=-1)`, "
-        "`x.clamp_min(eps) ** p` for a fractional power.",
+        "In the backward of `dist`: make the argument safe *before* the op: for a discarded value, "
+        "`torch.where(keep, f(torch.where(keep, x, 1.0)), 0.0)`; for a kept one, `(s + eps).sqrt()` for "
+        "`s.sqrt()`, `F.normalize(x, eps=1e-6)` or `(x.pow(2).sum(-1) + eps).sqrt()` for `x.norm(dim=-1)`, "
+        "`x.clamp_min(eps) ** p` for a fractional power. `nantrace.hunt` on this step names the op.",
         "`torch.autograd.detect_anomaly()` on one step names the exact backward function.",
     ]
     text = str(ov)

@@ -241,16 +241,16 @@ def test_an_optimizer_in_the_scaler_place_says_to_pass_it_by_name() -> None:
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     msg = check(TypeError, lambda: trace(m, opt), names="scaler", m=m)
     assert msg == (
-        "scaler must be a torch.amp.GradScaler (or None); got SGD. It is an optimizer: pass it by name, "
-        "trace(model, optimizer=opt) (the second positional argument is the scaler). Pass the GradScaler object "
-        "your loop calls scale()/step()/update() on (e.g. scaler = torch.amp.GradScaler('cuda'))."
+        "scaler must be a torch.amp.GradScaler (or None); got SGD. It is an optimizer: pass it as optimizer=opt "
+        "(by position, the scaler comes first: model, scaler, optimizer). Pass the GradScaler object your loop calls "
+        "scale()/step()/update() on (e.g. scaler = torch.amp.GradScaler('cuda'))."
     )
     scaler = torch.amp.GradScaler("cpu")
     msg = check(TypeError, lambda: nantrace.watch(m, None, scaler), names="optimizer", m=m)
     assert msg == (
-        "optimizer must be a torch.optim.Optimizer (or None); got GradScaler. It is a GradScaler: pass it by "
-        "name, trace(model, scaler=scaler, optimizer=opt) (the third positional argument is the optimizer). Pass "
-        "the optimizer object your loop calls step() on (e.g. opt = torch.optim.AdamW(model.parameters()))."
+        "optimizer must be a torch.optim.Optimizer (or None); got GradScaler. It is a GradScaler: pass it as "
+        "scaler=scaler (by position, the scaler comes first: model, scaler, optimizer). Pass the optimizer object "
+        "your loop calls step() on (e.g. opt = torch.optim.AdamW(model.parameters()))."
     )
 
 
