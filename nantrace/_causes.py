@@ -22,6 +22,7 @@ from ._evidence import (
     mean_over_nothing,
     op_evidence,
     outputs_words,
+    unreachable_update,
     weights_beyond_event,
     written_facts,
 )
@@ -780,6 +781,19 @@ def optimizer(run: Facts, ev: Overflow) -> Diagnosis:
             "to 0), e.g. `torch.optim.Adam(params, eps=1e-4)`.",
         )
     summary = f"Gradients were finite but {opt_name}.step() made `{pname}` of {module_label(ev.module)} non-finite in {dtype}."
+    written = unreachable_update(run.view, ev)
+    if written is not None:  # the update cannot reach the value: what wrote the weight did
+        evidence[0] = evidence[0].replace(f"became {ev.kind} ({dtype}) in", f"was {ev.kind} ({dtype}) after")
+        evidence.insert(1, written)
+        advice = [
+            f"Find what writes `{pname}` of {module_label(ev.module)} outside {opt_name}.step() (a manual edit, a "
+            "hook, a state-dict load, a weight average) after the last update and before this one; the learning "
+            "rate is not the cause."
+        ]
+        summary = (
+            f"`{pname}` of {module_label(ev.module)} was non-finite after {opt_name}.step() at step {ev.step}, but "
+            "no update of it can reach that value: it was written outside optimizer.step()."
+        )
     return Diagnosis("optimizer", ev, evidence, advice, summary)
 
 

@@ -72,6 +72,7 @@ __all__ = [
     "op_evidence",
     "outputs_words",
     "scaled_run",
+    "unreachable_update",
     "weights_beyond_event",
     "weights_nonfinite",
     "weights_written",
@@ -357,6 +358,73 @@ KEPT_DERIVATIVE_FIX = (
     "`(x.pow(2).sum(-1) + eps).sqrt()` for `x.norm(dim=-1)`, `x.clamp_min(eps) ** p` for a fractional power. "
     "`nantrace.hunt` on this step names the op."
 )
+
+
+#: The largest momentum buffer an SGD update can carry, in gradients: ``Σ μ^k |g| ≤ |g| / (1 − μ)`` at μ ≤ 0.99.
+SGD_MOMENTUM_BOUND = 100.0
+#: Adam's per-element step in learning rates (``_facts.NORMALISED_STEP_BOUND``), in float32 or wider arithmetic.
+ADAM_STEP_BOUND = 32.0
+
+
+def unreachable_update(view: RunView, ov: Overflow) -> str | None:
+    """For an ``optimizer`` event of a float32/float64 parameter: the sentence saying that no update of the
+    optimizer could have made it non-finite, when the trace shows so; None otherwise.
+
+    From the parameter's absmax ``A`` after its last recorded ``optimizer.step()``, the learning rate ``lr`` and
+    the ``n`` updates since: Adam-family steps move a weight by at most ``n·lr·(32 + |w|)`` (``|w|``: a
+    decoupled weight decay up to 1); SGD's by ``n·lr·(100·G + |w|)``, ``G`` the largest unscaled gradient
+    absmax recorded since (momentum up to 0.99). When ``A`` plus that stays below the dtype's max, the value came
+    from a write outside ``optimizer.step()`` (by hand, a hook, a load) before this step's update."""
+    dtype = str(ov.dtype)
+    name = str(view.meta.options.get("optimizer") or "")
+    low = name.lower()
+    adam = "adam" in low or low.startswith("lion")
+    if ov.phase != "optimizer" or dtype not in ("float32", "float64") or not (adam or name == "SGD"):
+        return None
+    r, st = view.records, view.steps
+    mine = r[(r["module"].astype(str) == ov.module)]
+    rows = mine[(mine["phase"].astype(str) == "optimizer") & (mine["tensor"].astype(str) == ov.tensor)]
+    prev = rows[rows["step"].to_numpy() < ov.step]
+    if not len(prev) or not len(st) or "lr" not in st.columns:
+        return None
+    p = int(prev["step"].max())
+    a = float(prev[prev["step"].to_numpy() == p]["absmax"].iloc[-1])
+    between = st[(st["step"].to_numpy() > p) & (st["step"].to_numpy() <= ov.step)]
+    skipped = between["skipped"].tolist() if "skipped" in between.columns else [None] * len(between)
+    applied = between[[not (v is not None and not pd.isna(v) and bool(v)) for v in skipped]]
+    lrs = applied["lr"].to_numpy(dtype=np.float64)
+    n = len(applied)
+    if not math.isfinite(a) or n == 0 or not np.isfinite(lrs).all():
+        return None
+    lr = float(lrs.max())
+    if adam:
+        bound = n * lr * (ADAM_STEP_BOUND + a)
+        how = f"{name} moves a weight by at most about {num(ADAM_STEP_BOUND)}·lr per update"
+    else:
+        g = mine[
+            (mine["phase"].astype(str) == "backward") & (mine["tensor"].astype(str) == ov.tensor + ".grad")
+        ]
+        g = g[(g["step"].to_numpy() > p) & (g["step"].to_numpy() <= ov.step)]
+        if not len(g) or int(g[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum()):
+            return None
+        scale = g["scale"].to_numpy(dtype=np.float64) if "scale" in g.columns else np.ones(len(g))
+        scale = np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
+        gmax = float(np.max(g["absmax"].to_numpy(dtype=np.float64) / scale))
+        bound = n * lr * (SGD_MOMENTUM_BOUND * gmax + a)
+        how = (
+            f"SGD moves a weight by at most lr·({num(SGD_MOMENTUM_BOUND)}·|g| + |w|) per update (momentum up to "
+            f"0.99, weight decay up to 1; |g| ≤ {num(gmax)} unscaled)"
+        )
+    limit = dtype_max(dtype)
+    if not a + bound < limit:
+        return None
+    updates = f"{n} update{'s' if n > 1 else ''}"
+    return (
+        f"`{ov.tensor}` had absmax {num(a)} after optimizer.step() of step {p}; {how}, so at lr {num(lr)} over "
+        f"{updates} it stays below {num(a + bound)}, far from {dtype}'s {num(limit)}: optimizer.step() cannot "
+        f"have made it {'NaN' if ov.kind == 'nan' else 'inf'}; it was written outside "
+        "optimizer.step() (by hand, a hook, a state-dict load) before this update"
+    )
 
 
 def discarded_op(view: RunView, ov: Overflow) -> tuple[str, str | None] | None:

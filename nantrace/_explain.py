@@ -27,6 +27,7 @@ from ._evidence import (
     op_evidence,
     outputs_words,
     scaled_run,
+    unreachable_update,
     weights_beyond_event,
     written_facts,
 )
@@ -531,6 +532,12 @@ def _optimizer(view: RunView, ev: Event) -> str:
     lr = step_lr(view, int(f["step"]))
     if not math.isnan(lr) and not math.isfinite(lr):
         return f"{head} The learning rate was {num(lr)} at this step: set a finite one (check what set it)."
+    written = unreachable_update(view, Overflow(**f))
+    if written is not None:
+        return (
+            f"At {_where(ev)}, gradients were finite and `{f['tensor']}` of {module_label(str(f['module']))} "
+            f"({f['module_type']}) was {KIND_WORDS[ev.raw_kind]} ({dtype}) after optimizer.step(). But {written}."
+        )
     if is_wide(dtype):  # eps and grad² do not round to 0 here: the optimizer's own arithmetic overflowed
         shown = f" (learning rate {num(lr)})" if not math.isnan(lr) else ""
         return (
