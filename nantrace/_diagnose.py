@@ -170,14 +170,9 @@ def _divergence_led_to(
     return d if line is None else replace(d, evidence=[*d.evidence[:1], line, *d.evidence[1:]])
 
 
-def _earlier_backoffs(run: Facts, ev: Overflow, before_run: bool) -> str | None:
-    """Evidence for a divergence that names a later overflow than the trace's first: the scale-dependent
-    overflows before ``ev`` (before its own run of skipped steps when ``before_run``) were GradScaler backoffs,
-    with their steps, producers and loss scales, and the steps trained after them; None when there are none."""
-    until = (run.skip_run(ev.step)[0], -1) if before_run else (ev.step, ev.micro_step)
-    before = [b for b in run.events if (b.step, b.micro_step) < until and run.scale_dependent(b)]
-    if not before:
-        return None
+def _overflow_parts(run: Facts, before: list[Overflow]) -> list[str]:
+    """One clause per producer and kind of the backoffs ``before``: the steps and the loss scales they
+    overflowed at."""
     groups: dict[tuple[str, str], list[int]] = {}
     for b in before:
         at = groups.setdefault((c.producer_text(b), b.kind), [])
@@ -190,6 +185,18 @@ def _earlier_backoffs(run: Facts, ev: Overflow, before_run: bool) -> str | None:
         parts.append(
             f"at step{'s' if len(at) > 1 else ''} {steps_text(at)} {producer} overflowed ({kind}) at {scales}"
         )
+    return parts
+
+
+def _earlier_backoffs(run: Facts, ev: Overflow, before_run: bool) -> str | None:
+    """Evidence for a divergence that names a later overflow than the trace's first: the scale-dependent
+    overflows before ``ev`` (before its own run of skipped steps when ``before_run``) were GradScaler backoffs,
+    with their steps, producers and loss scales, and the steps trained after them; None when there are none."""
+    until = (run.skip_run(ev.step)[0], -1) if before_run else (ev.step, ev.micro_step)
+    before = [b for b in run.events if (b.step, b.micro_step) < until and run.scale_dependent(b)]
+    if not before:
+        return None
+    parts = _overflow_parts(run, before)
     steps = sorted({b.step for b in before})
     trained = [s for s in run.step_ids if steps[-1] < s < ev.step and run.skipped.get(s) is False]
     went_on = (
@@ -306,16 +313,7 @@ def _backoff_before(run: Facts, benign: list[Overflow], ev: Overflow) -> str | N
             f"this fault (a {ev.phase} value of micro-step {ev.micro_step} does not depend on the loss scale)"
         )
     steps = [b.step for b in before]
-    groups: dict[tuple[str, str], list[int]] = {}
-    for b in before:
-        groups.setdefault((c.producer_text(b), b.kind), []).append(b.step)
-    parts = []
-    for (producer, kind), at in groups.items():
-        lo, hi = num(run.scale.get(at[0], math.nan)), num(run.scale.get(at[-1], math.nan))
-        scales = f"loss scale {lo}" if len(at) == 1 else f"loss scales {lo} → {hi}"
-        parts.append(
-            f"at step{'s' if len(at) > 1 else ''} {steps_text(at)} {producer} overflowed ({kind}) at {scales}"
-        )
+    parts = _overflow_parts(run, before)
     what = "; ".join(parts)
     lowered = run.scale.get(ev.step, math.nan)
     to = "" if math.isnan(lowered) else f", and the scale was lowered to {num(lowered)} by step {ev.step}"
