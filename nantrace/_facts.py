@@ -472,18 +472,24 @@ def written_outside(records: pd.DataFrame, steps: pd.DataFrame, optimizer: str) 
     lr = steps["lr"].to_numpy(dtype=np.float64)
     skipped = steps["skipped"].tolist() if "skipped" in steps.columns else [None] * len(st)
     applied = np.array([not (v is not None and not pd.isna(v) and bool(v)) for v in skipped], dtype=bool)
-    out = []
-    cols_in = ("step", "module", "tensor", "gap", "absmax_before", "absmax")
-    for step, module, tensor, gap, before, after in zip(*(ur[c].tolist() for c in cols_in), strict=True):
+    # the updates and their largest lr per distinct (step, gap): a few per step, not one per parameter
+    windows: dict[tuple[int, int], tuple[int, float]] = {}
+    for step, gap in set(zip(ur["step"].tolist(), ur["gap"].tolist(), strict=True)):
         between = (st > int(step) - int(gap)) & (st <= int(step)) & applied
-        n, lrs = int(between.sum()), lr[between]
-        if n == 0 or not np.isfinite(lrs).all():
-            continue
-        top = float(lrs.max())
-        bound = n * top * (NORMALISED_STEP_BOUND + WEIGHT_DECAY_BOUND * float(before))
-        if abs(float(after) - float(before)) > bound:
-            out.append((int(step), module, tensor, int(gap), float(before), float(after), bound, n, top))
-    return pd.DataFrame(out, columns=cols)
+        lrs = lr[between]
+        ok = bool(len(lrs)) and bool(np.isfinite(lrs).all())
+        windows[(int(step), int(gap))] = (len(lrs), float(lrs.max()) if ok else math.nan)
+    keys = list(zip(ur["step"].tolist(), ur["gap"].tolist(), strict=True))
+    n = np.array([windows[(int(a), int(b))][0] for a, b in keys], dtype=np.float64)
+    top = np.array([windows[(int(a), int(b))][1] for a, b in keys], dtype=np.float64)
+    before = ur["absmax_before"].to_numpy(dtype=np.float64)
+    after = ur["absmax"].to_numpy(dtype=np.float64)
+    bound = n * top * (NORMALISED_STEP_BOUND + WEIGHT_DECAY_BOUND * before)
+    with np.errstate(invalid="ignore"):
+        hit = (n > 0) & np.isfinite(bound) & (np.abs(after - before) > bound)
+    out = ur[hit][["step", "module", "tensor", "gap", "absmax_before", "absmax"]].copy()
+    out["bound"], out["updates"], out["lr"] = bound[hit], n[hit].astype(np.int64), top[hit]
+    return out.reset_index(drop=True)[cols]
 
 
 def without_written(ur: pd.DataFrame, written: pd.DataFrame | None) -> pd.DataFrame:
