@@ -180,7 +180,10 @@ def _frame_of(
         of = parts.records if which == "records" else parts.steps
         frame = _check_frame(of, f"the {type(parts.trace).__name__}'s {which}", columns)
     # an attention mask's -inf is intended, never drawn as a NaN/inf (the rule: nantrace._masks)
-    return (unmasked(frame) if which == "records" else frame), parts
+    ops = getattr(parts.trace, "ops", None) if parts is not None else None  # -inf the forward masked, too
+    return (
+        unmasked(frame, ops if isinstance(ops, pd.DataFrame) else None) if which == "records" else frame
+    ), parts
 
 
 # --------------------------------------------------------------------------------------------

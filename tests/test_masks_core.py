@@ -429,3 +429,16 @@ def test_a_healthy_run_with_masked_logits_shows_no_minus_inf_in_its_headroom_lin
     line = next(e for e in d.evidence if e.startswith("least float16 headroom"))
     assert "inf" not in line.replace("float16", "")
     assert line.startswith("least float16 headroom: `fc` (Linear), absmax ")
+
+
+def test_plots_read_a_forward_masked_output_without_its_minus_inf() -> None:
+    """The plots' frame of a trace leaves out the -inf the drill-down showed was masked in the forward, as they
+    leave out a mask input's (DESIGN: never drawn as an overflow)."""
+    from nantrace.plot import _frame_of
+
+    tr = _masked_logits_run(nantrace.trace, lambda o: F.cross_entropy(o, torch.tensor([0, 1, 2])))
+    frame, _ = _frame_of(tr, "trace", ["step", "module", "tensor", "n_neginf"])
+    root = frame[(frame["module"] == "") & (frame["tensor"] == "output") & (frame["phase"] == "forward")]
+    assert len(root) == 2 and root["n_neginf"].tolist() == [0, 0]
+    raw = tr.records
+    assert raw[(raw["module"] == "") & (raw["tensor"] == "output")]["n_neginf"].tolist() == [6, 6]
