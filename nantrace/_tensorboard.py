@@ -84,7 +84,7 @@ def _step_evidence(records: pd.DataFrame, steps: np.ndarray, mask: pd.Series) ->
     return np.array([s in hit for s in steps.tolist()], dtype=bool)
 
 
-def module_scalars(records: pd.DataFrame) -> pd.DataFrame:
+def module_scalars(records: pd.DataFrame, ops: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per ``(step, module)`` over forward outputs: ``absmax`` (+inf if an output held ±inf), ``nonfinite``
     (bool: an output held NaN or ±inf) and ``headroom_bits`` = log2(65504 / absmax) (NaN where absmax is 0/NaN)."""
     cols = ["step", "module", "absmax", "nonfinite", "headroom_bits"]
@@ -94,7 +94,8 @@ def module_scalars(records: pd.DataFrame) -> pd.DataFrame:
         records[
             (records["phase"].astype(str) == "forward")
             & records["tensor"].astype(str).str.startswith("output")
-        ]
+        ],
+        ops,  # and the -inf the drill-down showed was masked in the forward
     )
     if len(rows) == 0:
         return pd.DataFrame(columns=cols)
@@ -211,7 +212,7 @@ def scalar_events(view: RunView, p: str = "nantrace") -> dict[int, list[tuple[st
     series("grad_norm", steps["grad_norm"].to_numpy(dtype=np.float64), grad_ev)
     for s, n in zip(ids.tolist(), steps["n_nonfinite"].astype(int).tolist(), strict=True):
         out[s].append((f"{p}/n_nonfinite", float(n)))
-    for s, m, a, bad, bits in module_scalars(records).itertuples(index=False):
+    for s, m, a, bad, bits in module_scalars(records, view.ops).itertuples(index=False):
         name = m or ROOT_TAG
         row = out.setdefault(int(s), [])
         row.append((f"{p}/absmax/{name}", float(a)))

@@ -442,3 +442,12 @@ def test_plots_read_a_forward_masked_output_without_its_minus_inf() -> None:
     assert len(root) == 2 and root["n_neginf"].tolist() == [0, 0]
     raw = tr.records
     assert raw[(raw["module"] == "") & (raw["tensor"] == "output")]["n_neginf"].tolist() == [6, 6]
+
+
+def test_tensorboard_scalars_of_a_forward_masked_output_are_finite() -> None:
+    from nantrace._tensorboard import module_scalars
+
+    tr = _masked_logits_run(nantrace.trace, lambda o: F.cross_entropy(o, torch.tensor([0, 1, 2])))
+    root = module_scalars(tr.records, tr.ops).query("module == ''")
+    assert root["nonfinite"].tolist() == [False, False]
+    assert bool(module_scalars(tr.records).query("module == ''")["nonfinite"].all())  # without ops: -inf
