@@ -187,9 +187,34 @@ def _op_rows(
     return extra
 
 
-#: The ops that make a mask's -inf from finite values: a log of a 0/1 mask (``mask.log()``). Any other op that
-#: makes -inf from finite operands (a linear, a matmul, a product, an exp) overflowed.
+#: The ops that make a mask's -inf from finite values: a log of a 0/1 mask (``mask.log()``). Another op that
+#: makes -inf from finite operands one of which is a weight (a linear, a matmul with a parameter) overflowed: its
+#: output is no mask even when it holds only 0 and -inf. (A product of a mask by a constant past the dtype's
+#: range, ``(1 - m) * -1e9`` in float16, involves no weight and stays a mask by the value rule.)
 MASK_BUILDERS = frozenset({"log", "log2", "log10"})
+
+
+def _weight_ops(df: pd.DataFrame, ops: pd.DataFrame | None) -> set[int]:
+    """Row positions (in ``df``, forward outputs) of calls whose named op took one of the module's parameters
+    (``ops.operands``: a ``param`` or ``frozen`` entry)."""
+    out: set[int] = set()
+    if ops is None or not len(ops) or "operands" not in ops.columns:
+        return out
+    heavy = ops[ops["operands"].astype(str).str.contains('"param"|"frozen"', regex=True).to_numpy()]
+    if not len(heavy):
+        return out
+    calls = set(
+        zip(
+            heavy["micro_step"].tolist(),
+            heavy["module"].astype(str).tolist(),
+            heavy["call"].tolist(),
+            strict=True,
+        )
+    )
+    tensors = df["tensor"].astype(str)
+    outputs = (df["phase"].astype(str).to_numpy() == "forward") & tensors.str.startswith("output").to_numpy()
+    keys = zip(df["micro_step"].tolist(), df["module"].astype(str).tolist(), df["call"].tolist(), strict=True)
+    return {i for i, key in enumerate(keys) if outputs[i] and key in calls}
 
 
 def _base_op(op: str) -> str:
@@ -205,11 +230,10 @@ def first_in_step(
     df = _ordered(step_df)
     extra = _op_rows(df, wanted, ops)
     mask = is_mask(df) | intended_rows(df, ops)
-    for i, (
-        k,
-        op,
-    ) in extra.items():  # -inf an op overflowed to is no mask, whatever the values (a log builds one)
-        if k == "neginf" and _base_op(op) not in MASK_BUILDERS:
+    weighed = _weight_ops(df, ops) if any(k == "neginf" for k, _ in extra.values()) else set()
+    # -inf an op computed from a weight is no mask, whatever the values (a log builds one)
+    for i, (k, op) in extra.items():
+        if k == "neginf" and _base_op(op) not in MASK_BUILDERS and i in weighed:
             mask[i] = False
     phase = df["phase"].astype(str).to_numpy()
     activation = (phase == "data") | (phase == "forward")

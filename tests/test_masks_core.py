@@ -451,3 +451,33 @@ def test_tensorboard_scalars_of_a_forward_masked_output_are_finite() -> None:
     root = module_scalars(tr.records, tr.ops).query("module == ''")
     assert root["nonfinite"].tolist() == [False, False]
     assert bool(module_scalars(tr.records).query("module == ''")["nonfinite"].all())  # without ops: -inf
+
+
+class BigConstantMask(nn.Module):
+    """Builds an additive mask as (1 - keep) * -1e9 in float16: -1e9 is past float16's range, so the masked
+    entries are -inf and the kept ones 0 (a mask, by the value rule)."""
+
+    def forward(self, keep: torch.Tensor) -> torch.Tensor:
+        return (1.0 - keep) * -1e9
+
+
+class UsesBigMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask = BigConstantMask()
+
+    def forward(self, scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return torch.softmax((scores + self.mask(keep)).float(), -1)
+
+
+def test_a_mask_built_from_a_constant_past_the_range_stays_a_mask() -> None:
+    """Its -inf comes from a product with no weight among its operands: the value rule (only 0 and -inf, one 0
+    at least) keeps it a mask, and every row keeps a key, so nothing is reported."""
+    m = UsesBigMask()
+    keep = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float16)
+    with nantrace.trace(m) as tr:
+        m(torch.zeros(2, 3, dtype=torch.float16), keep)
+    r = tr.records
+    built = r[(r["module"] == "mask") & (r["tensor"] == "output")]
+    assert (int(built["n_neginf"].iloc[0]), int(built["n_zero"].iloc[0])) == (3, 3)
+    assert tr.first_overflow() is None
