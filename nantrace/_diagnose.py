@@ -122,9 +122,9 @@ from dataclasses import dataclass, replace
 from . import _causes as c
 from . import _scale_causes as sc
 from ._diagnosis import COLLAPSE_RUN, QUIET_DIVERGENCE_GROWTH, QUIET_DIVERGENCE_LOSS_GROWTH, Diagnosis
-from ._evidence import WEIGHTS_HELD, headline, op_evidence
+from ._evidence import NORMALISED_STEP_BOUND, WEIGHTS_HELD, headline, op_evidence
 from ._explain import first_overflow, overflows
-from ._facts import NORMALISED_STEP_BOUND, DivergenceFacts, Facts, divergence, fast_updates, overflow_from_row
+from ._facts import DivergenceFacts, Facts, divergence, fast_updates, overflow_from_row
 from ._fmt import num, steps_text
 from ._overflow import Overflow
 from ._view import RunView

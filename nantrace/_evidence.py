@@ -54,10 +54,13 @@ from ._view import RunView
 __all__ = [
     "KEPT_DERIVATIVE",
     "KEPT_DERIVATIVE_FIX",
+    "NORMALISED_STEP_BOUND",
     "OP_CLASSES",
     "WEIGHTS_HELD",
+    "WEIGHT_DECAY_BOUND",
     "OpEvidence",
     "Operand",
+    "applied_updates",
     "backward_dtype",
     "call_arity",
     "call_input_rows",
@@ -69,6 +72,7 @@ __all__ = [
     "masked_outputs",
     "mean_over_nothing",
     "nonfinite_words",
+    "normalised_optimizer",
     "op_evidence",
     "outputs_words",
     "scaled_run",
@@ -360,10 +364,35 @@ KEPT_DERIVATIVE_FIX = (
 )
 
 
+#: A bound on one update's change of a weight, in learning rates, for optimizers whose per-element step does not
+#: scale with the gradient (in float32 or wider arithmetic): Adam's |m̂/√v̂| stays below (1-β1)/√(1-β2) ≈ 3.2 at
+#: the default betas (31.6 with β1 = 0, β2 = 0.999), Adamax's step is at most lr/(1-β1^t), Lion's is ±lr.
+NORMALISED_STEP_BOUND = 32.0
+#: Decoupled weight decay shrinks a weight by lr·wd·|w| per update; wd ≤ 1 covers the usual 0.01–0.1.
+WEIGHT_DECAY_BOUND = 1.0
 #: The largest momentum buffer an SGD update can carry, in gradients: ``Σ μ^k |g| ≤ |g| / (1 − μ)`` at μ ≤ 0.99.
 SGD_MOMENTUM_BOUND = 100.0
-#: Adam's per-element step in learning rates (``_facts.NORMALISED_STEP_BOUND``), in float32 or wider arithmetic.
-ADAM_STEP_BOUND = 32.0
+
+
+def normalised_optimizer(name: str) -> bool:
+    """The optimizer class ``name`` (``Trace.options["optimizer"]``) takes steps bounded by its learning rate
+    (:data:`NORMALISED_STEP_BOUND`): the Adam family and Lion."""
+    low = name.lower()
+    return "adam" in low or low.startswith("lion")
+
+
+def applied_updates(steps: pd.DataFrame, after: int, upto: int) -> tuple[int, float]:
+    """``(n, lr)``: how many of the steps in ``(after, upto]`` applied their update (the GradScaler did not skip
+    it) and their largest recorded learning rate (NaN when none, or one is not finite or not recorded)."""
+    if not len(steps) or "lr" not in steps.columns:
+        return 0, math.nan
+    st = steps["step"].to_numpy()
+    between = steps[(st > after) & (st <= upto)]
+    skipped = between["skipped"].tolist() if "skipped" in between.columns else [None] * len(between)
+    applied = between[[not (v is not None and not pd.isna(v) and bool(v)) for v in skipped]]
+    lrs = applied["lr"].to_numpy(dtype=np.float64)
+    ok = bool(len(lrs)) and bool(np.isfinite(lrs).all())
+    return len(applied), float(lrs.max()) if ok else math.nan
 
 
 def unreachable_update(view: RunView, ov: Overflow) -> str | None:
@@ -377,29 +406,23 @@ def unreachable_update(view: RunView, ov: Overflow) -> str | None:
     from a write outside ``optimizer.step()`` (by hand, a hook, a load) before this step's update."""
     dtype = str(ov.dtype)
     name = str(view.meta.options.get("optimizer") or "")
-    low = name.lower()
-    adam = "adam" in low or low.startswith("lion")
+    adam = normalised_optimizer(name)
     if ov.phase != "optimizer" or dtype not in ("float32", "float64") or not (adam or name == "SGD"):
         return None
-    r, st = view.records, view.steps
+    r = view.records
     mine = r[(r["module"].astype(str) == ov.module)]
     rows = mine[(mine["phase"].astype(str) == "optimizer") & (mine["tensor"].astype(str) == ov.tensor)]
     prev = rows[rows["step"].to_numpy() < ov.step]
-    if not len(prev) or not len(st) or "lr" not in st.columns:
+    if not len(prev):
         return None
     p = int(prev["step"].max())
     a = float(prev[prev["step"].to_numpy() == p]["absmax"].iloc[-1])
-    between = st[(st["step"].to_numpy() > p) & (st["step"].to_numpy() <= ov.step)]
-    skipped = between["skipped"].tolist() if "skipped" in between.columns else [None] * len(between)
-    applied = between[[not (v is not None and not pd.isna(v) and bool(v)) for v in skipped]]
-    lrs = applied["lr"].to_numpy(dtype=np.float64)
-    n = len(applied)
-    if not math.isfinite(a) or n == 0 or not np.isfinite(lrs).all():
+    n, lr = applied_updates(view.steps, p, ov.step)
+    if not math.isfinite(a) or n == 0 or math.isnan(lr):
         return None
-    lr = float(lrs.max())
     if adam:
-        bound = n * lr * (ADAM_STEP_BOUND + a)
-        how = f"{name} moves a weight by at most about {num(ADAM_STEP_BOUND)}·lr per update"
+        bound = n * lr * (NORMALISED_STEP_BOUND + WEIGHT_DECAY_BOUND * a)
+        how = f"{name} moves a weight by at most about {num(NORMALISED_STEP_BOUND)}·lr per update"
     else:
         g = mine[
             (mine["phase"].astype(str) == "backward") & (mine["tensor"].astype(str) == ov.tensor + ".grad")
@@ -410,7 +433,7 @@ def unreachable_update(view: RunView, ov: Overflow) -> str | None:
         scale = g["scale"].to_numpy(dtype=np.float64) if "scale" in g.columns else np.ones(len(g))
         scale = np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
         gmax = float(np.max(g["absmax"].to_numpy(dtype=np.float64) / scale))
-        bound = n * lr * (SGD_MOMENTUM_BOUND * gmax + a)
+        bound = n * lr * (SGD_MOMENTUM_BOUND * gmax + WEIGHT_DECAY_BOUND * a)
         how = (
             f"SGD moves a weight by at most lr·({num(SGD_MOMENTUM_BOUND)}·|g| + |w|) per update (momentum up to "
             f"0.99, weight decay up to 1; |g| ≤ {num(gmax)} unscaled)"

@@ -29,6 +29,7 @@ from ._diagnosis import (
     QUIET_DIVERGENCE_GROWTH,
     UNHEALTHY_UPDATE_RATIO,
 )
+from ._evidence import NORMALISED_STEP_BOUND, WEIGHT_DECAY_BOUND, applied_updates, normalised_optimizer
 from ._explain import first_after, overflows
 from ._fmt import module_label, num, steps_text
 from ._masks import is_mask
@@ -37,7 +38,6 @@ from ._schema import MASK_KIND, DType
 from ._view import RunView
 
 __all__ = [
-    "NORMALISED_STEP_BOUND",
     "DivergenceFacts",
     "Facts",
     "Trend",
@@ -438,21 +438,6 @@ def update_ratios(records: pd.DataFrame) -> pd.DataFrame:
     return df[cols].sort_values(["step", "module", "tensor"]).reset_index(drop=True)
 
 
-#: A bound on one update's change of a weight, in learning rates, for optimizers whose per-element step does not
-#: scale with the gradient: Adam's |m̂/√v̂| stays below (1-β1)/√(1-β2) ≈ 3.2 at the default betas (31.6 with
-#: β1 = 0, β2 = 0.999), Adamax's step is at most lr/(1-β1^t), Lion's is ±lr.
-NORMALISED_STEP_BOUND = 32.0
-#: Decoupled weight decay shrinks a weight by lr·wd·|w| per update; wd ≤ 1 covers the usual 0.01–0.1.
-WEIGHT_DECAY_BOUND = 1.0
-
-
-def normalised_optimizer(name: str) -> bool:
-    """The optimizer class ``name`` (``Trace.options["optimizer"]``) takes steps bounded by its learning rate
-    (:data:`NORMALISED_STEP_BOUND`): the Adam family and Lion."""
-    low = name.lower()
-    return "adam" in low or low.startswith("lion")
-
-
 def written_outside(records: pd.DataFrame, steps: pd.DataFrame, optimizer: str) -> pd.DataFrame:
     """The parameters whose absmax changed between two ``optimizer`` rows by more than the optimizer's updates in
     between can move a weight: written outside ``optimizer.step()`` (a manual edit, a state-dict load, a weight
@@ -468,17 +453,11 @@ def written_outside(records: pd.DataFrame, steps: pd.DataFrame, optimizer: str) 
     ur = update_ratios(records)
     if not normalised_optimizer(optimizer) or not len(ur) or not len(steps) or "lr" not in steps.columns:
         return pd.DataFrame(columns=cols)
-    st = steps["step"].to_numpy().astype(np.int64)
-    lr = steps["lr"].to_numpy(dtype=np.float64)
-    skipped = steps["skipped"].tolist() if "skipped" in steps.columns else [None] * len(st)
-    applied = np.array([not (v is not None and not pd.isna(v) and bool(v)) for v in skipped], dtype=bool)
     # the updates and their largest lr per distinct (step, gap): a few per step, not one per parameter
-    windows: dict[tuple[int, int], tuple[int, float]] = {}
-    for step, gap in set(zip(ur["step"].tolist(), ur["gap"].tolist(), strict=True)):
-        between = (st > int(step) - int(gap)) & (st <= int(step)) & applied
-        lrs = lr[between]
-        ok = bool(len(lrs)) and bool(np.isfinite(lrs).all())
-        windows[(int(step), int(gap))] = (len(lrs), float(lrs.max()) if ok else math.nan)
+    windows = {
+        (int(step), int(gap)): applied_updates(steps, int(step) - int(gap), int(step))
+        for step, gap in set(zip(ur["step"].tolist(), ur["gap"].tolist(), strict=True))
+    }
     keys = list(zip(ur["step"].tolist(), ur["gap"].tolist(), strict=True))
     n = np.array([windows[(int(a), int(b))][0] for a, b in keys], dtype=np.float64)
     top = np.array([windows[(int(a), int(b))][1] for a, b in keys], dtype=np.float64)
