@@ -73,6 +73,7 @@ __all__ = [
     "mean_over_nothing",
     "nonfinite_words",
     "normalised_optimizer",
+    "op_base",
     "op_evidence",
     "outputs_words",
     "scaled_run",
@@ -279,7 +280,7 @@ def _tiny(dtype: str) -> float:
     return float(fi.smallest_normal) * float(fi.eps)  # the smallest subnormal: 2**-24 for float16
 
 
-def _base(op: str) -> str:
+def op_base(op: str) -> str:
     """``"__truediv__"`` → ``"div"``, ``"rsqrt_"`` → ``"rsqrt"``, ``"__iadd__"`` → ``"add"``, ``"__rtruediv__"``
     → ``"rdiv"``."""
     name = op.split(".")[-1]
@@ -884,7 +885,7 @@ def _classify_op(
     op: str, kind: str, dtype: str, ops: tuple[Operand, ...], recorded: bool
 ) -> tuple[str, str, str]:
     """(class, because, what) of a named op (module docstring)."""
-    base = _base(op)
+    base = op_base(op)
     if op == CAST_OP or base in _CASTS:
         src = ops[0] if ops else None
         if src is not None and not src.is_scalar:
@@ -1200,7 +1201,7 @@ def _op_dtype(op: str, ops: tuple[Operand, ...], event_dtype: str, result_dtype:
     tensor operands."""
     if result_dtype is not None:
         return result_dtype
-    if op == CAST_OP or _base(op) in _CASTS:
+    if op == CAST_OP or op_base(op) in _CASTS:
         return event_dtype
     floats = [o.dtype for o in ops if o.dtype is not None and not math.isnan(dtype_max(o.dtype))]
     return max(floats, key=dtype_max) if floats else event_dtype
@@ -1402,7 +1403,7 @@ def _singular_advice(ev: OpEvidence, name: str, base: str, scaled: bool) -> list
 def class_advice(ev: OpEvidence, module: str, *, scaled: bool = False) -> list[str]:
     """The fixes that follow from the class and the operands (none for ``overflow``/``cast``: the caller's
     advice on dtypes and weights applies there); ``scaled``: the run has a loss scale (:func:`scaled_run`)."""
-    name, base = module_label(module), _base(ev.op) if ev.op else ""
+    name, base = module_label(module), op_base(ev.op) if ev.op else ""
     out: list[str] = []
     if ev.hook is not None:
         out.append(

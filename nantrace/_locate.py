@@ -60,7 +60,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ._masks import intended_rows, is_mask
+from ._evidence import op_base
+from ._masks import call_outputs, intended_rows, is_mask
 from ._schema import PHASE_RANK, DType
 
 __all__ = [
@@ -197,29 +198,10 @@ MASK_BUILDERS = frozenset({"log", "log2", "log10"})
 def _weight_ops(df: pd.DataFrame, ops: pd.DataFrame | None) -> set[int]:
     """Row positions (in ``df``, forward outputs) of calls whose named op took one of the module's parameters
     (``ops.operands``: a ``param`` or ``frozen`` entry)."""
-    out: set[int] = set()
     if ops is None or not len(ops) or "operands" not in ops.columns:
-        return out
+        return set()
     heavy = ops[ops["operands"].astype(str).str.contains('"param"|"frozen"', regex=True).to_numpy()]
-    if not len(heavy):
-        return out
-    calls = set(
-        zip(
-            heavy["micro_step"].tolist(),
-            heavy["module"].astype(str).tolist(),
-            heavy["call"].tolist(),
-            strict=True,
-        )
-    )
-    tensors = df["tensor"].astype(str)
-    outputs = (df["phase"].astype(str).to_numpy() == "forward") & tensors.str.startswith("output").to_numpy()
-    keys = zip(df["micro_step"].tolist(), df["module"].astype(str).tolist(), df["call"].tolist(), strict=True)
-    return {i for i, key in enumerate(keys) if outputs[i] and key in calls}
-
-
-def _base_op(op: str) -> str:
-    """``"log_"`` / ``"Tensor.log"`` → ``"log"`` (the drill-down's op names are torch function names)."""
-    return op.split(".")[-1].strip("_")
+    return {int(i) for i in np.nonzero(call_outputs(df, heavy))[0]}
 
 
 def first_in_step(
@@ -233,7 +215,7 @@ def first_in_step(
     weighed = _weight_ops(df, ops) if any(k == "neginf" for k, _ in extra.values()) else set()
     # -inf an op computed from a weight is no mask, whatever the values (a log builds one)
     for i, (k, op) in extra.items():
-        if k == "neginf" and _base_op(op) not in MASK_BUILDERS and i in weighed:
+        if k == "neginf" and op_base(op) not in MASK_BUILDERS and i in weighed:
             mask[i] = False
     phase = df["phase"].astype(str).to_numpy()
     activation = (phase == "data") | (phase == "forward")

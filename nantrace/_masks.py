@@ -26,6 +26,7 @@ __all__ = [
     "FEATURES",
     "MASK_WORDS",
     "RULE_COLUMNS",
+    "call_outputs",
     "intended_rows",
     "is_mask",
     "lowest_masks",
@@ -103,20 +104,25 @@ def intended_rows(df: pd.DataFrame, ops: pd.DataFrame | None) -> np.ndarray:
     if ops is None or not len(ops) or "kind" not in ops.columns or not len(df):
         return out
     made = ops[ops["kind"].astype(str).to_numpy() == MASK_KIND]
-    if not len(made):
+    clean = (df["n_nan"].to_numpy() == 0) & (df["n_posinf"].to_numpy() == 0) & (df["n_neginf"].to_numpy() > 0)
+    return call_outputs(df, made) & clean
+
+
+def call_outputs(df: pd.DataFrame, calls: pd.DataFrame) -> np.ndarray:
+    """Boolean array over ``df`` (records): the forward output rows of the module calls listed in ``calls`` (an
+    ``ops`` frame: ``step, micro_step, module, call``, and ``rank`` when both have it)."""
+    out = np.zeros(len(df), dtype=bool)
+    if not len(calls) or not len(df):
         return out
     key_cols = ["step", "micro_step", "module", "call"]
-    if "rank" in made.columns and "rank" in df.columns:
+    if "rank" in calls.columns and "rank" in df.columns:
         key_cols.append("rank")
-    calls = set(zip(*(made[c].astype(str).tolist() for c in key_cols), strict=True))
+    wanted = set(zip(*(calls[c].astype(str).tolist() for c in key_cols), strict=True))
     tensors = df["tensor"].astype(str).to_numpy().astype(str)
     where = (df["phase"].astype(str).to_numpy() == "forward") & np.char.startswith(tensors, "output")
-    where &= (
-        (df["n_nan"].to_numpy() == 0) & (df["n_posinf"].to_numpy() == 0) & (df["n_neginf"].to_numpy() > 0)
-    )
     keys = zip(*(df[c].astype(str).tolist() for c in key_cols), strict=True)
     for i, key in enumerate(keys):
-        out[i] = bool(where[i]) and key in calls
+        out[i] = bool(where[i]) and key in wanted
     return out
 
 
