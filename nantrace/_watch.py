@@ -891,46 +891,45 @@ def _replay_backward(r: Recording, pairs: list[tuple[Any, _Micro]]) -> None:
             if g is not None and t.requires_grad:
                 tensors.append(t)
                 grads.append(g)
-    if tensors:
+    if len(tensors) > 1:  # one output sends no share to another
         r.rec.active = False  # the shares are computed by a backward of their own: not recorded
         try:
-            tensors, grads = _external_grads(tensors, grads)
+            grads = _external_grads(tensors, grads)
         finally:
             r.rec.active = True
+    if tensors:
         torch.autograd.backward(tensors, grads)
 
 
-def _reaches(start: Any, target: Any) -> bool:
-    """``target`` (an autograd node) is reachable from ``start`` by ``next_functions``."""
-    seen, todo = set(), [start]
+def _reachable(start: Any) -> set[int]:
+    """The ids of the autograd nodes reachable from ``start`` by ``next_functions`` (``start`` included)."""
+    seen: set[int] = set()
+    todo = [start]
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
-        if node is target:
-            return True
         seen.add(id(node))
         todo.extend(n for n, _ in getattr(node, "next_functions", ()))
-    return False
+    return seen
 
 
-def _external_grads(
-    tensors: list[torch.Tensor], grads: list[torch.Tensor]
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _external_grads(tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """The gradient each output received from outside the model: the captured total minus what the outputs
     computed from it sent it (HF models return ``loss`` and the ``logits`` it was computed from; the hook on
     ``logits`` saw the loss's share). Outputs are taken downstream first; no value is read on the host. Without
-    this the replay's backward counts that share twice."""
+    this the replay's backward counts that share twice. One walk of the graph per output."""
     nodes = [t.grad_fn for t in tensors]
     n = len(tensors)
+    reach = [_reachable(node) for node in nodes]
     below = [
-        [i != j and nodes[j] is not None and _reaches(nodes[i], nodes[j]) for j in range(n)] for i in range(n)
+        [i != j and nodes[j] is not None and id(nodes[j]) in reach[i] for j in range(n)] for i in range(n)
     ]
     order: list[int] = []
     while len(order) < n:  # j after every i that depends on it
         ready = [j for j in range(n) if j not in order and all(i in order for i in range(n) if below[i][j])]
         if not ready:  # a cycle cannot happen in autograd; keep the captured gradients if it did
-            return tensors, grads
+            return grads
         order.extend(ready)
     external: dict[int, torch.Tensor] = {}
     for j in order:
@@ -947,7 +946,7 @@ def _external_grads(
             if share is not None:  # equal elements (an inf the share made) leave nothing external
                 g = torch.where(g == share, torch.zeros_like(g), g - share)
         external[j] = g
-    return tensors, [external[j] for j in range(n)]
+    return [external[j] for j in range(n)]
 
 
 def _first_bad(flags: list[_Flag], host: np.ndarray) -> tuple[_Flag, int, float] | None:
