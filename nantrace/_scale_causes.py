@@ -309,7 +309,9 @@ def underflow(run: Facts) -> Diagnosis | None:
         (zero_frac >= UNDERFLOW_ZERO_FRACTION) & (amax < UNDERFLOW_SMALL_ABSMAX)
     )
     all_zeros, all_numel = zeros.sum(), numel.sum()  # the overall share, before any row is left out
-    exact = _exact_zeros(run, g) & (zeros >= numel)
+    exact = zeros >= numel  # only an all-zero gradient can be proven exactly 0
+    if exact.any():
+        exact[exact] = _exact_zeros(run, g[exact])
     if exact.any():  # proven exactly 0 (cancellation), not flushed: out of the verdict
         keep = ~exact
         exact_names = (
