@@ -289,13 +289,18 @@ class Facts:
     def data_series(self, until: int) -> pd.Series:
         """Per-step max finite absmax of the model's floating-point inputs (phase ``data``; token ids and other
         integer inputs and masks left out), steps <= until."""
-        m = (self.phase == "data") & (self.step <= until) & np.isfinite(self.absmax)
-        if m.any():
-            floating = self.records["dtype"].astype(str).str.startswith(("float", "bfloat")).to_numpy()
-            m &= floating & ~is_mask(self.records) & (self.absmax > 0)
+        m = self._inputs((self.phase == "data") & (self.step <= until))
         if not m.any():
             return pd.Series(dtype=np.float64)
         return pd.Series(self.absmax[m]).groupby(self.step[m]).max().sort_index()
+
+    def _inputs(self, m: np.ndarray) -> np.ndarray:
+        """The rows of ``m`` that are floating model inputs with a finite non-zero absmax, masks left out."""
+        m = m & np.isfinite(self.absmax)
+        if m.any():
+            floating = self.records["dtype"].astype(str).str.startswith(("float", "bfloat")).to_numpy()
+            m &= floating & ~is_mask(self.records) & (self.absmax > 0)
+        return m
 
     def data_series_micro(self, step: int, micro: int) -> pd.Series:
         """Like :meth:`data_series`, per root forward: indexed by ``(step, micro_step)`` in time order, every
@@ -303,11 +308,9 @@ class Facts:
         if not len(self.records):
             return pd.Series(dtype=np.float64)
         ms = self.records["micro_step"].to_numpy()
-        m = (self.phase == "data") & ((self.step < step) | ((self.step == step) & (ms <= micro)))
-        m &= np.isfinite(self.absmax)
-        if m.any():
-            floating = self.records["dtype"].astype(str).str.startswith(("float", "bfloat")).to_numpy()
-            m &= floating & ~is_mask(self.records) & (self.absmax > 0)
+        m = self._inputs(
+            (self.phase == "data") & ((self.step < step) | ((self.step == step) & (ms <= micro)))
+        )
         if not m.any():
             return pd.Series(dtype=np.float64)
         key = pd.MultiIndex.from_arrays([self.step[m], ms[m]], names=["step", "micro_step"])
