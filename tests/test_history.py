@@ -229,26 +229,35 @@ def test_quiet_divergence_led_by_the_loss_while_a_norm_hides_the_activations() -
     )
 
 
-def _growing_rows(weight_absmax: list[float]) -> list[dict[str, object]]:
-    """Five steps of ``fc``'s output absmax growing 4x a step with the given weight absmax, then a forward
-    overflow at step 5."""
+def _growing_rows(weight_absmax: list[float | None]) -> list[dict[str, object]]:
+    """One step per entry of ``fc``'s output absmax growing 4x a step, with the given weight absmax after
+    ``optimizer.step()`` (None: no update that step, no optimizer row), then a forward overflow at the next
+    step."""
     rows: list[dict[str, object]] = []
     for s, w in enumerate(weight_absmax):
         rows.append(
             {"step": s, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 10.0 * 4**s}
         )
-        rows.append(
-            {
-                "step": s,
-                "phase": "optimizer",
-                "module": "fc",
-                "tensor": "weight",
-                "absmax": w,
-                "dtype": "float32",
-            }
-        )
+        if w is not None:
+            rows.append(
+                {
+                    "step": s,
+                    "phase": "optimizer",
+                    "module": "fc",
+                    "tensor": "weight",
+                    "absmax": w,
+                    "dtype": "float32",
+                }
+            )
     rows.append(
-        {"step": 5, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 1.0, "n_posinf": 3}
+        {
+            "step": len(weight_absmax),
+            "phase": "forward",
+            "module": "fc",
+            "tensor": "output",
+            "absmax": 1.0,
+            "n_posinf": 3,
+        }
     )
     return rows
 
@@ -640,26 +649,11 @@ def test_a_median_update_ratio_below_a_tenth_stays_healthy_with_a_headline() -> 
 
 def test_the_lr_advice_offers_the_lr_of_the_last_calm_step() -> None:
     """A warmup 0.01 → 0.4: steps 1-2 update by 0.5% (calm), later steps by 20%, then the forward overflows."""
-    rows: list[dict[str, object]] = []
-    w = 1.0
+    weights, w = [], 1.0
     for s in range(6):
-        rows.append(
-            {"step": s, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 10.0 * 4**s}
-        )
         w *= 1.005 if s <= 2 else 1.2
-        rows.append(
-            {
-                "step": s,
-                "phase": "optimizer",
-                "module": "fc",
-                "tensor": "weight",
-                "absmax": w,
-                "dtype": "float32",
-            }
-        )
-    rows.append(
-        {"step": 6, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 1.0, "n_posinf": 3}
-    )
+        weights.append(w)
+    rows = _growing_rows(weights)
     lrs = [0.01, 0.02, 0.03, 0.1, 0.2, 0.4, 0.4]
     steps = conftest.steps_frame([{"step": s, "loss": 2.0 * 3**s, "lr": lr} for s, lr in enumerate(lrs)])
     d = diagnose(conftest.frame_view(conftest.records_frame(rows), steps))
@@ -1093,25 +1087,7 @@ def test_a_divergence_read_at_fresh_steps_names_them_and_the_backoffs_before_its
 def test_weights_recorded_only_at_applied_updates_say_so() -> None:
     """Step 2 is skipped (no weights written, step 3 runs on step 2's weights): the output sentence reads steps
     0, 1, 2, 4 and the weight sentence the four steps whose update was applied."""
-    rows: list[dict[str, object]] = []
-    for s, w in enumerate([1.0, 1.5, None, 2.25, 3.5]):
-        rows.append(
-            {"step": s, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 10.0 * 4**s}
-        )
-        if w is not None:
-            rows.append(
-                {
-                    "step": s,
-                    "phase": "optimizer",
-                    "module": "fc",
-                    "tensor": "weight",
-                    "absmax": w,
-                    "dtype": "float32",
-                }
-            )
-    rows.append(
-        {"step": 5, "phase": "forward", "module": "fc", "tensor": "output", "absmax": 1.0, "n_posinf": 3}
-    )
+    rows = _growing_rows([1.0, 1.5, None, 2.25, 3.5])
     steps = conftest.steps_frame(
         [{"step": s, "loss": 2.0 * 3**s, "lr": 0.1, "scale": 1024.0, "skipped": s == 2} for s in range(6)]
     )
