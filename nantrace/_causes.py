@@ -176,6 +176,25 @@ def call_inputs(run: Facts, ev: Overflow) -> pd.DataFrame:
     return mine[~lowest_masks(mine)] if len(mine) else mine
 
 
+_KIND_NAMES = {"nan": "NaN", "posinf": "+inf", "neginf": "-inf"}
+
+
+def _held_instead(run: Facts, ev: Overflow, raw_kind: str) -> str | None:
+    """For a forward event whose op made ``raw_kind`` inside the call, what the call's ``ev.tensor`` row held
+    instead when it holds no value of that kind (``"NaN"``, ``"-inf"``, ``"NaN and -inf"``: the op's +inf
+    became them before leaving the call); None when that row holds the op's kind or is not recorded."""
+    rows = run.rows_of(ev.step, "forward", module=ev.module, prefix=ev.tensor)
+    rows = rows[
+        (rows["micro_step"].to_numpy() == ev.micro_step)
+        & (rows["call"].to_numpy() == ev.call)
+        & (rows["tensor"].astype(str).to_numpy() == ev.tensor)
+    ]
+    if len(rows) != 1 or int(rows[f"n_{raw_kind}"].iloc[0]) > 0:
+        return None
+    held = [name for k, name in _KIND_NAMES.items() if int(rows[f"n_{k}"].iloc[0]) > 0]
+    return " and ".join(held) if held else None
+
+
 def _seen_at(run: Facts, ev: Overflow) -> str | None:
     """For a forward event first seen at a submodule's input (the module's own code made it), that submodule's
     name: the first non-finite forward row of the micro-step with the event's tensor path under the module."""
@@ -498,13 +517,15 @@ def _invalid_forward(run: Facts, ev: Overflow) -> Diagnosis:
     in_neginf = int(inputs["n_neginf"].sum()) if len(inputs) else 0
     oe = op_evidence(run.view, ev)
     assert oe is not None
-    what = {"nan": "NaN", "posinf": "+inf", "neginf": "-inf"}[oe.raw_kind]
+    what = _KIND_NAMES[oe.raw_kind]
     held = "NaN" if oe.raw_kind == "nan" else "inf/NaN"
     where = step_words(ev)
     seen = _seen_at(run, ev)
+    shown = _held_instead(run, ev, oe.raw_kind) if seen is None else None
+    first = f" as {shown}" if shown is not None else ""
     evidence = [
-        f"{module_label(ev.module)} ({ev.module_type}, call {ev.call}) at {where} produced {what}, first seen in "
-        f"`{ev.tensor}`{f' of `{seen}`' if seen is not None else ''} ({dtype}), from inputs holding no {held} "
+        f"{module_label(ev.module)} ({ev.module_type}, call {ev.call}) at {where} produced {what}, first seen{first} "
+        f"in `{ev.tensor}`{f' of `{seen}`' if seen is not None else ''} ({dtype}), from inputs holding no {held} "
         f"(finite absmax {num(finite_absmax(inputs))}, {f'{in_neginf} -inf value(s)' if in_neginf else 'no -inf'})"
     ]
     if oe.op is not None:
