@@ -169,6 +169,8 @@ class Recording:
                 f"names look like {[n for n, _ in named[:6]]}"
             )
         self.handles: list[RemovableHandle] = []
+        self.model_handles: list[RemovableHandle] = []
+        self.suspended: _Suspended | None = None  # the hooks of model_handles while taken out
         self.hook_tails: list[tuple[OrderedDict[int, Any], frozenset[int]]] = []
         self.capture: Capture | None
         self.capture, capture_option = make_capture(
@@ -420,8 +422,13 @@ class Recording:
                 on_step=self.end_step,
                 training=self.training,
             )
-            self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-            self.handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+            hooks = [
+                m.register_forward_pre_hook(pre, with_kwargs=True),
+                m.register_forward_hook(post, with_kwargs=True, always_call=True),
+            ]
+            self.handles += hooks
+            if m is not self.root:  # the root's tables run the step boundaries: never suspended
+                self.model_handles += hooks
             _ACTIVE[m] = self
             rec.recorded.add(m)  # the drill-down vouches only for outputs the trace records
         self.handles.append(self.root.register_forward_pre_hook(self._look_at_samples, with_kwargs=True))
@@ -434,21 +441,7 @@ class Recording:
             if isinstance(d, OrderedDict) and ours & d.keys()
         ]
         self.handles.append(self.root.register_forward_pre_hook(self._hooks_last, prepend=True))
-        seen: set[int] = set()
-        for name, m in self.selected:  # parameters: gradient after accumulation, value after optimizer.step()
-            for pname, p in m.named_parameters(recurse=False):
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                mcode, tcode = store.modules.code(name), store.types.code(type(m).__name__)
-                self.params.append((p, mcode, tcode, pname))
-                index = len(self.params) - 1
-                if is_sharded(p):
-                    self.sharded_params.add(index)
-                if p.requires_grad and "backward" in rec.phases:
-                    hook = _scaler.param_hook(self, mcode, tcode, pname, index)
-                    self.handles.append(p.register_post_accumulate_grad_hook(hook))
-                    self.handles.append(p.register_hook(_scaler.stale_hook(self, p, index)))
+        _hook_parameters(self)
         if self.optimizer is not None:
             _scaler.attach_optimizer(self, self.optimizer)
         if self.scaler is not None:
@@ -468,10 +461,23 @@ class Recording:
                 self.samples.pending.clear()
                 del r.pending.samples[:]
 
+    def suspend_hooks(self) -> None:
+        """Take the hooks below the root out of their tables (:class:`_Suspended`) until :meth:`resume_hooks`."""
+        if self.suspended is None and self.model_handles:
+            self.suspended = _Suspended.take(self.model_handles)
+
+    def resume_hooks(self) -> None:
+        """Put back, each at its place, the hooks :meth:`suspend_hooks` took out."""
+        suspended, self.suspended = self.suspended, None
+        if suspended is not None:
+            suspended.put_back()
+
     def _detach(self) -> None:
+        self.suspended = None  # taken out already: nothing to remove
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        self.model_handles.clear()
         self.hook_tails.clear()
         for h in self.rec.tensor_handles:
             h.remove()
@@ -538,6 +544,75 @@ class Recording:
         for observer in self.observers:
             observer(self, n_chunks, closing, self.exiting)
         self.store.maybe_spill()
+
+
+def _hook_parameters(r: Recording) -> None:
+    """Note every parameter of the traced modules once (``r.params``) and, when backward is recorded, hook it:
+    its gradient after accumulation, and whether its ``.grad`` already held inf/NaN (the value after
+    ``optimizer.step()`` is recorded by the optimizer hook)."""
+    store, seen = r.store, set()
+    for name, m in r.selected:
+        for pname, p in m.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            mcode, tcode = store.modules.code(name), store.types.code(type(m).__name__)
+            r.params.append((p, mcode, tcode, pname))
+            index = len(r.params) - 1
+            if is_sharded(p):
+                r.sharded_params.add(index)
+            if p.requires_grad and "backward" in r.rec.phases:
+                hook = _scaler.param_hook(r, mcode, tcode, pname, index)
+                hooks = [
+                    p.register_post_accumulate_grad_hook(hook),
+                    p.register_hook(_scaler.stale_hook(r, p, index)),
+                ]
+                r.handles += hooks
+                r.model_handles += hooks
+
+
+class _Suspended:
+    """A recording's hooks of the traced modules below the root and of the parameters, taken out of their hook
+    tables, with each table's order then, so that steps nothing is recorded on run without them
+    (``nantrace.watch``'s watched steps: a module with no hook left takes PyTorch's fast call path, and autograd
+    calls no hook of nantrace's on a parameter). The root's hooks, which see the step boundaries, and the
+    optimizer and GradScaler hooks stay. The handles stay valid; :meth:`put_back` puts every hook back where it
+    was (hooks the user registered meanwhile come after them, as if nantrace's had stayed)."""
+
+    def __init__(self) -> None:
+        self.tables: list[tuple[dict[int, Any], list[int]]] = []  # (table, its keys in order when taken)
+        self.taken: list[tuple[dict[int, Any], int, Any]] = []
+
+    @staticmethod
+    def take(handles: list[RemovableHandle]) -> _Suspended:
+        """Take each handle's entry out of its hook table. A table's companions (a module's ``with_kwargs`` and
+        ``always_call`` flags) keep theirs: PyTorch reads them only for the hooks it runs, so a hook taken out
+        while its table is being run (from a snapshot) is still called the way it was registered."""
+        out = _Suspended()
+        seen: set[int] = set()
+        for h in handles:
+            table = h.hooks_dict_ref()
+            if table is None or h.id not in table:
+                continue
+            if id(table) not in seen:
+                seen.add(id(table))
+                out.tables.append((table, list(table)))
+            out.taken.append((table, h.id, table.pop(h.id)))
+        return out
+
+    def put_back(self) -> None:
+        """Every entry back, then each table in its order when taken; entries added since go last, in the
+        order they were added."""
+        for table, hid, fn in self.taken:
+            table[hid] = fn
+        for table, order in self.tables:
+            place = {k: i for i, k in enumerate(order)}
+            items = list(table.items())
+            ordered = sorted((kv for kv in items if kv[0] in place), key=lambda kv: place[kv[0]])
+            ordered += [kv for kv in items if kv[0] not in place]
+            if [k for k, _ in ordered] != [k for k, _ in items]:
+                table.clear()  # the same table object: autograd and the module keep reading it
+                table.update(ordered)
 
 
 def keep_last(tails: list[tuple[OrderedDict[int, Any], frozenset[int]]]) -> None:

@@ -426,7 +426,8 @@ class Watch:
         self._reset()
         full = self.every is not None and step % self.every == 0
         self.mode = "full" if full else "watch"
-        self.r.rec.active = full
+        self.r.rec.active = full  # and a watched step runs without the hooks below the root:
+        (self.r.resume_hooks if full else self.r.suspend_hooks)()
 
     def _reset(self) -> None:
         for h in self.tensor_handles:
@@ -681,6 +682,7 @@ class Watch:
             return
         self.replaying = True
         r.rec.active = True
+        r.resume_hooks()
         try:
             with _restored(r.root, params):
                 _replay_micro_steps(r, self.micro)
@@ -693,6 +695,7 @@ class Watch:
         finally:
             self.replaying = False
             r.rec.active = False
+            r.suspend_hooks()  # a replay runs on watched steps only
 
 
 def _recorded_as(
