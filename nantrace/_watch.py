@@ -7,8 +7,9 @@ inputs (detached references, their ``_version``), the CPU and accelerator RNG st
 grad mode at the root forward, and the gradients that arrive at the root's outputs. Its flags are device
 tensors: one ``torch.aminmax`` per input and output tensor, per loss and per output gradient (NaN propagates
 into the minimum and maximum, ±inf is the extreme, and a large finite value cannot overflow it), one fused
-``torch._foreach_norm`` over the gradients before ``optimizer.step()`` (beside the GradScaler's found-inf) and
-one over the parameters after it; at the first gradient of a step's backward, the number of parameters whose
+``torch._foreach_norm`` over the gradients before ``optimizer.step()`` (beside the GradScaler's found-inf: their
+L2 norms give ``steps.grad_norm``) and one float32 sum per parameter after it (a finiteness flag, cheaper than a
+norm); at the first gradient of a step's backward, the number of parameters whose
 ``.grad`` already holds inf/NaN (``steps.stale_grads``: one fused float64 L2 norm over the ``.grad`` tensors that
 exist then, none when the loop resets them to None). The flags are read once before ``optimizer.step()`` (where
 the GradScaler reads its found-inf) and the parameter flag once at the step boundary, never inside a hook; each
@@ -150,6 +151,21 @@ def _norms(tensors: list[torch.Tensor], plain: bool = False) -> torch.Tensor:
         )
     device = tensors[0].device
     return torch.stack([got[i].to(device=device, dtype=torch.float64) for i in range(len(tensors))])
+
+
+def _sums(tensors: list[torch.Tensor], plain: bool = False) -> torch.Tensor:
+    """Per-tensor sums as finiteness flags (inf and NaN propagate into a sum; one pass, cheaper than an L2
+    norm), accumulated in float32 (float64 tensors in float64), on the first tensor's device. A sum that
+    overflows from finite values is told apart by :func:`_first_bad`. ``plain``: as for :func:`_norms`."""
+    if plain:
+        return torch.stack([t.sum(dtype=torch.float32) for t in tensors])
+    device = tensors[0].device
+    return torch.stack(
+        [
+            t.sum(dtype=t.dtype if t.dtype == torch.float64 else torch.float32).to(device, torch.float64)
+            for t in tensors
+        ]
+    )
 
 
 @dataclass
@@ -616,7 +632,7 @@ class Watch:
             checked = ps.checked if full else [ps.checked[ps.floating.index(i)] for i in stepped]
             paths, owners = _param_names(self.r, self.names, stepped, "")
             with torch.no_grad():
-                values = _norms(checked, ps.plain)
+                values = _sums(checked, ps.plain)
             self.param_flag = _Flag("optimizer", max(len(self.micro) - 1, 0), paths, values, owners, checked)
         if opt.param_groups:
             r.rec.pending.lr = current_lr(opt)
@@ -954,20 +970,28 @@ def _external_grads(tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> l
 
 def _first_bad(flags: list[_Flag], host: np.ndarray) -> tuple[_Flag, int, float] | None:
     """The first flag entry that is NaN or +inf (a ``-inf`` input is an attention mask), from ``host``: the
-    flags' values as read, in order."""
+    flags' values as read, in order. An entry over checked tensors (a gradient's norm, a parameter's sum) is
+    read again from the tensor's elements: a norm or sum of large finite values can overflow (not a fault), and
+    the elements give the kind (+inf, then -inf, before NaN, as the locator orders them)."""
     if not flags or bool(np.isfinite(host).all()):
         return None  # the healthy step: one vectorized test, no Python work per entry
     pos = 0
     for f in flags:
         for i in range(len(f.paths)):
             v = float(host[pos + i])
+            if f.tensors is not None and not math.isfinite(v):
+                v = _element_kind(f.tensors[i])
             if math.isnan(v) or (v == math.inf) or (v == -math.inf and f.phase != "data"):
-                if (
-                    f.tensors is not None
-                    and math.isinf(v)
-                    and _store.to_host([f.tensors[i].isfinite().all()])[0]
-                ):
-                    continue  # an L2 norm of large finite values overflowed float32: not a fault
                 return f, i, v
         pos += len(f.paths)
     return None
+
+
+def _element_kind(t: torch.Tensor) -> float:
+    """``inf``, ``-inf`` or ``nan`` for the first kind ``t`` holds in that order, 0.0 when every element is
+    finite (one host read; only on a step that flagged)."""
+    with torch.no_grad():
+        pos, neg, nan = _store.to_host(
+            [torch.isposinf(t).any(), torch.isneginf(t).any(), torch.isnan(t).any()]
+        )
+    return math.inf if pos else -math.inf if neg else math.nan if nan else 0.0

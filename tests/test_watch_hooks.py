@@ -4,6 +4,7 @@ among the user's hooks."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -100,3 +101,51 @@ def test_a_replayed_step_records_through_the_hooks_put_back_and_takes_them_out_a
     )
     step2 = tr.records[tr.records["step"] == 2]
     assert sorted(set(step2["module"])) == ["", "act", "fc1", "fc2"]  # the replay recorded every module
+
+
+class _SetAfterStep(torch.optim.SGD):
+    """SGD whose step then writes ``values`` into the first weight's first elements (a stand-in for an update
+    that leaves them so)."""
+
+    def __init__(self, params: Any, values: list[float]) -> None:
+        super().__init__(params, lr=0.0)
+        self.values = values
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        out = super().step(closure)
+        w = self.param_groups[0]["params"][0]
+        w.view(-1)[: len(self.values)] = torch.tensor(self.values)
+        return out
+
+
+def _post_step(values: list[float]) -> nantrace.Trace:
+    torch.manual_seed(0)
+    model = TwoLinear()
+    opt = _SetAfterStep(model.parameters(), values)
+    with nantrace.watch(model, optimizer=opt, every=None) as tr:
+        opt.zero_grad()
+        model(torch.ones(3, 4)).pow(2).mean().backward()
+        opt.step()
+    return tr
+
+
+def test_a_parameter_sum_that_overflows_float32_from_finite_values_is_no_optimizer_fault() -> None:
+    tr = _post_step([3e38, 3e38])  # the float32 sum of fc1.weight is inf, every element is finite
+    assert tr.first_overflow() is None
+    assert tr.steps["recorded"].tolist() == ["watch"]
+
+
+def test_the_post_step_check_names_a_parameter_that_holds_minus_inf_and_nan_as_inf() -> None:
+    tr = _post_step([-math.inf, math.nan])  # its sum is NaN; the elements hold -inf, which comes first
+    ov = tr.first_overflow()
+    assert ov is not None
+    assert (ov.step, ov.phase, ov.module, ov.tensor, ov.kind) == (0, "optimizer", "fc1", "weight", "inf")
+    note = tr.options["watch"]["sentinel"]["0"]
+    assert (note["phase"], note["module"], note["tensor"], note["kind"], note["value"]) == (
+        "optimizer",
+        "fc1",
+        "weight",
+        "inf",
+        "-inf",
+    )
