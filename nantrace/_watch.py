@@ -1,8 +1,10 @@
 """The leave-on mode of :func:`nantrace.watch`: a nearly free sentinel on every step, a full recording of the
 step that goes non-finite (replayed from what the sentinel kept), and a full step every ``every`` steps.
 
-A :class:`Watch` composes a :class:`~nantrace._recording.Recording` whose hooks stay attached but record only on
-full steps and during a replay. On the other steps the sentinel keeps, per micro-step (root forward): the root's
+A :class:`Watch` composes a :class:`~nantrace._recording.Recording` that records only on full steps and during a
+replay; on the other steps its hooks below the root are out of their tables (:meth:`Recording.suspend_hooks
+<nantrace._recording.Recording.suspend_hooks>`), so the model runs PyTorch's fast paths. On those steps the
+sentinel keeps, per micro-step (root forward): the root's
 inputs (detached references, their ``_version``), the CPU and accelerator RNG states, the autocast state and
 grad mode at the root forward, and the gradients that arrive at the root's outputs. Its flags are device
 tensors: one ``torch.aminmax`` per input and output tensor, per loss and per output gradient (NaN propagates
