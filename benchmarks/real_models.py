@@ -2,24 +2,40 @@
 
 HF GPT-2, BERT and RoBERTa (``transformers`` config classes, 2 layers, d=128), and a ResNet-18 and a
 ConvNeXt-like CNN built by hand (torchvision's CPU build is not available here, so timm cannot run). fp32,
-AdamW, interleaved with untraced steps as in ``overhead.py`` (modes rotate each round). Prints the per-model
-table, records/step and µs per record ((traced - untraced) / records), and the median ratio.
+AdamW. Two measurements per architecture:
 
-    python benchmarks/real_models.py --rounds 5 --threads 2
+* steady state, the cost of leaving tracing on: an untraced copy and a traced copy of the model (the trace
+  entered once for the whole run, as in training), rounds of ``--steps`` steps of each, the order alternating;
+  the median of the per-round wall ratios, the CPU-time ratio, records/step and µs per record
+  ((traced - untraced) / records);
+* the first ``--first`` steps of a fresh trace over as many untraced steps (what a short run pays once: the
+  first calls' drill-down replays, the string tables).
+
+Prints the per-model table and the medians over the architectures.
+
+    python benchmarks/real_models.py --rounds 8 --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import os
 import statistics
 import sys
+import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import Mode, Workload, _no_ctx, bench_workload, machine_line, nantrace_mode
+from overhead import Workload, machine_line
+
+import nantrace
 
 
 def _hf(name: str) -> Workload:
@@ -132,34 +148,97 @@ def _cnn(name: str) -> Workload:
     return Workload(name, name, model, opt, None, step, torch.device("cpu"))
 
 
+def _build(name: str) -> Workload:
+    return _hf(name) if name in ("gpt2", "bert", "roberta") else _cnn(name)
+
+
+def _timed(step: Callable[[], None], n: int) -> tuple[float, float]:
+    """Wall and process-CPU seconds per step of ``n`` calls of ``step``."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        step()
+    return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+
+
+def steady(name: str, rounds: int, steps: int) -> dict[str, float]:
+    """One untraced copy and one traced copy of the architecture (same seed), the trace entered once for the
+    whole run as in training; a warm-up round, then ``rounds`` rounds of ``steps`` steps per copy, the order
+    alternating. The per-round ratios' median in wall and CPU time, records/step and µs/record."""
+    plain, traced = _build(name), _build(name)
+    ratios, cpu_ratios, base_ms, tr_ms = [], [], [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nantrace.trace(traced.model, optimizer=traced.optimizer) as tr:
+            _timed(plain.step, steps)
+            _timed(traced.step, steps)
+            for r in range(rounds):
+                order = [plain, traced] if r % 2 == 0 else [traced, plain]
+                got = {id(w): _timed(w.step, steps) for w in order}
+                (bw, bc), (tw, tc) = got[id(plain)], got[id(traced)]
+                ratios.append(tw / bw)
+                cpu_ratios.append(tc / bc)
+                base_ms.append(bw * 1e3)
+                tr_ms.append(tw * 1e3)
+    recs = float(tr.steps["n_records"].iloc[-1])
+    extra = statistics.median(tr_ms) - statistics.median(base_ms)
+    return {
+        "base": statistics.median(base_ms),
+        "traced": statistics.median(tr_ms),
+        "ratio": statistics.median(ratios),
+        "cpu": statistics.median(cpu_ratios),
+        "records": recs,
+        "us": extra * 1e3 / recs if recs else math.nan,
+    }
+
+
+def first_steps(name: str, rounds: int, steps: int) -> float:
+    """The first ``steps`` steps of a fresh trace (its drill-down replays, the string tables it builds) over
+    as many untraced steps, median over ``rounds`` alternating pairs, after one warm-up pair."""
+    w = _build(name)
+    ratios = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for r in range(rounds + 1):
+            base, _ = _timed(w.step, steps)
+            with nantrace.trace(w.model, optimizer=w.optimizer):
+                fresh, _ = _timed(w.step, steps)
+            if r:
+                ratios.append(fresh / base)
+    return statistics.median(ratios)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=3, help="steps per mode per round (3)")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=4, help="steps per copy per round (4)")
+    p.add_argument("--first", type=int, default=4, help="the first steps of a fresh trace measured (4)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--models", default="gpt2,bert,roberta,resnet18,convnext")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(machine_line())
-    modes = [Mode("none", _no_ctx), nantrace_mode("nantrace", {})]
-    print("| model | untraced ms/step | traced ms/step | ratio | CPU-time ratio | records/step | µs/record |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    ratios = []
+    print(
+        "| model | untraced ms/step | traced ms/step | ratio | CPU-time ratio | records/step | µs/record "
+        f"| first {args.first} steps of a fresh trace |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    ratios, firsts = [], []
     for name in args.models.split(","):
-        w = _hf(name) if name in ("gpt2", "bert", "roberta") else _cnn(name)
-        res = {r.mode: r for r in bench_workload(w, modes, args.rounds, args.steps, 1, lambda s: None)}
-        base, tr = res["none"], res["nantrace"]
-        ratio = statistics.median(tr.ratio)
-        ratios.append(ratio)
-        recs = tr.records_per_step or 0.0
-        extra = statistics.median(tr.ms) - statistics.median(base.ms)
-        per = extra * 1e3 / recs if recs else float("nan")
+        got = steady(name, args.rounds, args.steps)
+        first = first_steps(name, max(3, args.rounds // 2), args.first)
+        ratios.append(got["ratio"])
+        firsts.append(first)
         print(
-            f"| {w.title} | {statistics.median(base.ms):.1f} | {statistics.median(tr.ms):.1f} | {ratio:.2f}× "
-            f"| {statistics.median(tr.cpu_ratio):.2f}× | {recs:.0f} | {per:.0f} |",
+            f"| {_build(name).title} | {got['base']:.1f} | {got['traced']:.1f} | {got['ratio']:.2f}× "
+            f"| {got['cpu']:.2f}× | {got['records']:.0f} | {got['us']:.0f} | {first:.2f}× |",
             flush=True,
         )
-    print(f"median ratio over {len(ratios)} architectures: {statistics.median(ratios):.2f}×")
+    print(
+        f"median ratio over {len(ratios)} architectures: {statistics.median(ratios):.2f}× "
+        f"(first {args.first} steps of a fresh trace: {statistics.median(firsts):.2f}×)"
+    )
+    with contextlib.suppress(OSError):
+        print("load average at the end {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
 
 
 if __name__ == "__main__":
