@@ -137,6 +137,11 @@ class Recorder:
         hit = self.cache.get(key)
         if hit is not None and hit[0]() is t and hit[1] == ver and ver >= 0:
             return hit[2], hit[3]
+        return self._computed(t, key, ver)
+
+    def _computed(self, t: torch.Tensor, key: int, ver: int) -> tuple[Any, int]:
+        """:meth:`stat` of a tensor not in the cache (``key``: its id, ``ver``: its version, -1 for an inference
+        tensor, which is not cached)."""
         if not self.sync_free and t.is_cpu:
             stats: Any = stats_host(t)
         else:
@@ -165,41 +170,56 @@ class Recorder:
         """Append one row for tensor ``t`` (nothing for tensors that are not :func:`describable`).
 
         ``reduced`` marks a parameter gradient after the cross-rank reduction. A ``DTensor`` (FSDP2, tensor
-        parallel) is described by this rank's local shard, so no statistic needs a collective."""
+        parallel) is described by this rank's local shard, so no statistic needs a collective. The hot path of
+        every hook: the checks of :func:`describable` and the cache of :meth:`stat` are written out here."""
         if type(t) is not torch.Tensor and hasattr(t, "to_local") and hasattr(t, "placements"):
             t = t.to_local()
-        if not describable(t):
+        numel = t.numel() if isinstance(t, torch.Tensor) else 0
+        if not (numel and t.is_floating_point() and t.layout == torch.strided and not t.is_quantized):
             return
-        store = self.store
         try:
             if self.light and not self.sync_free and t.is_cpu and is_clean_host(t):
                 return
-            stats, event = self.stat(t)
+            key = id(t)
+            ver = -1 if t.is_inference() else t._version
+            hit = self.cache.get(key)
+            if hit is not None and ver >= 0 and hit[1] == ver and hit[0]() is t:
+                stats, event = hit[2], hit[3]
+            else:
+                stats, event = self._computed(t, key, ver)
         except (torch.OutOfMemoryError, MemoryError):
             _dropped(self, t)
             return
         self.seq += 1
-        meta = (
-            self.step,
-            max(self.micro, 0) if micro is None else micro,
-            self.seq,
-            PHASE_CODE[phase],
-            mcode,
-            tcode,
-            call,
-            store.tensors.code(path),
-            self._dtype_code(t.dtype),
-            self._shape_code(t.shape),
-            t.numel(),
-            int(is_grad),
-            parent,
-            -1 if arg is None else store.args.code(arg),
-            event,
-            int(reduced),
+        store = self.store
+        dtype = self._dtype_codes.get(t.dtype)
+        shape = self._shape_codes.get(t.shape)
+        store.pending_meta.extend(
+            (
+                self.step,
+                (self.micro if self.micro > 0 else 0) if micro is None else micro,
+                self.seq,
+                PHASE_CODE[phase],
+                mcode,
+                tcode,
+                call,
+                store.tensors.code(path),
+                self._dtype_code(t.dtype) if dtype is None else dtype,
+                self._shape_code(t.shape) if shape is None else shape,
+                numel,
+                int(is_grad),
+                parent,
+                -1 if arg is None else store.args.code(arg),
+                event,
+                int(reduced),
+            )
         )
-        store.add(meta, stats)
+        store.pending_stats.append(stats)
         self.has_rows = True
-        self.last_kinds = kinds_of_stats(stats)
+        if type(stats) is tuple:
+            self.last_kinds = _CLEAN if not (stats[4] or stats[5] or stats[6]) else kinds_of_stats(stats)
+        else:
+            self.last_kinds = None  # device statistics: not read in hooks
 
     def _dtype_code(self, dtype: torch.dtype) -> int:
         code = self._dtype_codes.get(dtype)
