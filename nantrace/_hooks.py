@@ -347,49 +347,6 @@ class Recorder:
             for phase, mcode, tcode, call, path, parent, micro in targets:
                 self.add(phase, mcode, tcode, call, path, grad, is_grad=True, parent=parent, micro=micro)
 
-    def watch_grads(
-        self,
-        phase: str,
-        mcode: int,
-        tcode: int,
-        call: int,
-        items: list[tuple[str, torch.Tensor]],
-        head: str,
-        parent: int,
-    ) -> None:
-        """Record the gradients of the tensors of ``items`` that will receive one, named with ``head``
-                (``grad_input``/``grad_output``) in place of ``input``/``output``. One tensor hook per tensor: one call's
-                output that is the next call's input gets a second target on the first's hook, when it is unchanged since
-                (same version: an in-place op gives it a new gradient function). Tensor hooks run in the order they were
-                registered, so when a hook of the user's was registered on the tensor after nantrace's last one (it may
-                change the gradient), the targets are split: a consumer's ``grad_input`` stays on the first hook (the
-                gradient its backward made, before the user's hooks) and a producer's ``grad_output`` moves to a new hook
-                registered after the user's (the gradient that reached the producer). A consumer's new hook on a tensor that
-        already has the user's hooks runs before them (:func:`_run_first`). The hook is a ``functools.partial``
-                of one method wrapped by :func:`eager` once per recorder (a new wrapper per tensor cost ~5 µs)."""
-        if phase == "loss":  # the root forward's end: the user's hooks on watched tensors are all registered
-            _settle_grads(self)
-        if phase not in self.phases or not torch.is_grad_enabled():
-            return
-        micro = max(self.micro, 0)
-        for path, t in _rename(items, head):
-            if not (t.requires_grad and describable(t)):
-                continue
-            target = (phase, mcode, tcode, call, path, parent, micro)
-            hit = self.grad_targets.get(id(t))
-            if hit is None or hit[0]() is not t or hit[1] != t._version:
-                targets = [target]
-                h = t.register_hook(functools.partial(self._on_grads, targets))
-                self.tensor_handles.append(h)
-                if head == "grad_input":
-                    _run_first(t, h.id)
-                self.grad_targets[id(t)] = [weakref.ref(t), t._version, targets, targets, h.id]
-                continue
-            if head == "grad_output":
-                _after_user_hooks(self, t, hit, target)
-            else:
-                hit[2].append(target)
-
     def module_hooks(
         self,
         mcode: int,
@@ -453,7 +410,7 @@ class Recorder:
                     # a kind first seen at a child's input: the enclosing call's own code made it (drill it)
                     self.own_code.add(self.stack[-1][:2])
                 self.seen_kinds |= in_kinds
-            self.watch_grads("backward", mcode, tcode, call, items, "grad_input", parent)
+            _watch_grads(self, "backward", mcode, tcode, call, items, "grad_input", parent)
             versions = tuple(_version(t) for _, t in items) if in_kinds is not None and self.drill else ()
             self.stack.append((mcode, call, in_kinds, versions))
             if is_root:
@@ -492,9 +449,54 @@ class Recorder:
                 if out_kinds:
                     self.seen_kinds |= out_kinds
             phase = "loss" if is_root and self.root_depth == 0 else "backward"
-            self.watch_grads(phase, mcode, tcode, call, items, "grad_output", parent)
+            _watch_grads(self, phase, mcode, tcode, call, items, "grad_output", parent)
 
         return _own(eager(pre)), _own(eager(post))
+
+
+def _watch_grads(
+    rec: Recorder,
+    phase: str,
+    mcode: int,
+    tcode: int,
+    call: int,
+    items: list[tuple[str, torch.Tensor]],
+    head: str,
+    parent: int,
+) -> None:
+    """Record the gradients of the tensors of ``items`` that will receive one, named with ``head``
+    (``grad_input``/``grad_output``) in place of ``input``/``output``. One tensor hook per tensor: one call's
+    output that is the next call's input gets a second target on the first's hook, when it is unchanged since
+    (same version: an in-place op gives it a new gradient function). Tensor hooks run in the order they were
+    registered, so when a hook of the user's was registered on the tensor after nantrace's last one (it may
+    change the gradient), the targets are split: a consumer's ``grad_input`` stays on the first hook (the
+    gradient its backward made, before the user's hooks) and a producer's ``grad_output`` moves to a new hook
+    registered after the user's (the gradient that reached the producer). A consumer's new hook on a tensor
+    that already has the user's hooks runs before them (:func:`_run_first`). The hook is a
+    ``functools.partial`` of one method wrapped by :func:`eager` once per recorder (a new wrapper per tensor
+    cost ~5 µs)."""
+    if phase == "loss":  # the root forward's end: the user's hooks on watched tensors are all registered
+        _settle_grads(rec)
+    if phase not in rec.phases or not torch.is_grad_enabled():
+        return
+    micro = max(rec.micro, 0)
+    for path, t in _rename(items, head):
+        if not (t.requires_grad and describable(t)):
+            continue
+        target = (phase, mcode, tcode, call, path, parent, micro)
+        hit = rec.grad_targets.get(id(t))
+        if hit is None or hit[0]() is not t or hit[1] != t._version:
+            targets = [target]
+            h = t.register_hook(functools.partial(rec._on_grads, targets))
+            rec.tensor_handles.append(h)
+            if head == "grad_input":
+                _run_first(t, h.id)
+            rec.grad_targets[id(t)] = [weakref.ref(t), t._version, targets, targets, h.id]
+            continue
+        if head == "grad_output":
+            _after_user_hooks(rec, t, hit, target)
+        else:
+            hit[2].append(target)
 
 
 def _finite_call(
