@@ -337,15 +337,14 @@ class Recording:
         Raises:
             NantraceError: used twice, or the model is already hooked by another active trace.
         """
+        api = "nantrace.watch" if "watch" in self.options else "nantrace.trace"
         if self.entered:
-            raise NantraceError(
-                "this Trace has already been used; create a new one with nantrace.trace(model)"
-            )
+            raise NantraceError(f"this Trace has already been used; create a new one with {api}(model)")
         for _, m in [*self.selected, (self.root_name, self.root)]:
             if _ACTIVE.get(m) is not None:
                 raise NantraceError(
-                    f"{type(m).__name__} is already being traced by another active nantrace.trace(); "
-                    "nested traces of the same model are not supported: exit the first one"
+                    f"{type(m).__name__} is already being traced by another active nantrace.trace() or "
+                    "nantrace.watch(); nested traces of the same model are not supported: exit the first one"
                 )
         self.entered = True
         try:

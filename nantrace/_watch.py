@@ -6,12 +6,13 @@ replay; on the other steps its hooks below the root are out of their tables (:me
 <nantrace._recording.Recording.suspend_hooks>`), so the model runs PyTorch's fast paths. On those steps the
 sentinel keeps, per micro-step (root forward): the root's
 inputs (detached references, their ``_version``), the CPU and accelerator RNG states, the autocast state and
-grad mode at the root forward, and the gradients that arrive at the root's outputs. Its flags are device
-tensors: one ``torch.aminmax`` per input and output tensor, per loss and per output gradient (NaN propagates
-into the minimum and maximum, ±inf is the extreme, and a large finite value cannot overflow it), one fused
-``torch._foreach_norm`` over the gradients before ``optimizer.step()`` (beside the GradScaler's found-inf: their
-L2 norms give ``steps.grad_norm``) and one float32 sum per parameter after it (a finiteness flag, cheaper than a
-norm); at the first gradient of a step's backward, the number of parameters whose
+grad mode at the root forward, and the gradients that arrive at the root's outputs, per backward pass (one
+autograd graph task). Its flags are device tensors: one ``torch.aminmax`` per input and output tensor, per loss
+and per output gradient (NaN propagates into the minimum and maximum, ±inf is the extreme, and a large finite
+value cannot overflow it), one fused ``torch._foreach_norm`` over the gradients when a backward pass that reached
+the root's outputs ends (an autograd engine callback: before the loop can clip them; at ``optimizer.step()``
+when no such pass ran), read beside the GradScaler's found-inf (their L2 norms give ``steps.grad_norm``), and one
+float32 sum per parameter after ``optimizer.step()`` (a finiteness flag, cheaper than a norm); at the first gradient of a step's backward, the number of parameters whose
 ``.grad`` already holds inf/NaN (``steps.stale_grads``: one fused float64 L2 norm over the ``.grad`` tensors that
 exist then, none when the loop resets them to None). The flags are read once before ``optimizer.step()`` (where
 the GradScaler reads its found-inf) and the parameter flag once at the step boundary, never inside a hook; each
@@ -21,8 +22,10 @@ them on a healthy step, so the flush copies nothing more for them. What is built
 
 When a flag is non-finite, every micro-step of the step is replayed with the recording on, before
 ``optimizer.step()`` changes the parameters: the root forward on the same inputs with the same RNG state,
-autocast and grad mode, then ``torch.autograd.backward`` from the captured output gradients, in the order the
-real step ran them. ``.grad`` of every parameter, the module buffers (BatchNorm running statistics) and the RNG
+autocast and grad mode, then ``torch.autograd.backward`` from the captured output gradients, one backward pass
+at a time, in the order the real step ran them. A replayed forward whose root outputs differ from what the
+sentinel saw of the real ones (smallest and largest values) computed something else (state it read had changed
+since): the step is then not reproduced, and nothing the replay recorded is presented as its producer. ``.grad`` of every parameter, the module buffers (BatchNorm running statistics) and the RNG
 states are saved before and restored after, so the user's run continues bit for bit. A non-finite parameter
 after ``optimizer.step()`` is recorded as the ``optimizer`` phase rows of that step. The replay starts from no
 ``.grad``, so it records what the step's own backward made; a flagged gradient whose ``.grad`` was already
@@ -76,11 +79,20 @@ class _Micro:
     # the sum of the parameters' version counters at the forward: in-place writes only raise it, so a different
     # sum at the replay means the weights were written since (a replay would not compute what this forward did)
     weights: int = 0
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    backward_after: int = -1  # number of root forwards done when its output gradients arrived
+    backward_after: int = -1  # number of root forwards done when its first output gradient arrived
     # the losses seen, and whether its output gradients had arrived by then (a loss given to ``tr.step`` after
     # ``loss.backward()``): the replay records each where the real step saw it
     losses: list[tuple[Any, bool]] = field(default_factory=list)
+
+
+@dataclass
+class _Pass:
+    """One backward pass of a watched step (one autograd graph task: a ``.backward()`` or
+    ``torch.autograd.grad`` call) that reached the root's outputs: the number of root forwards done when its
+    first gradient arrived, and the gradients it brought, as ``(micro-step, output path, gradient)``."""
+
+    after: int
+    grads: list[tuple[int, str, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -327,6 +339,9 @@ class Watch:
         self.depth = 0
         self.eval_call = False
         self.micro: list[_Micro] = []
+        self.passes: dict[int, _Pass] = {}  # graph task id -> the backward pass, in the order they came
+        # the gradients' L2 norms as the last backward pass left them: (indices, gradients, norms)
+        self.end_norms: tuple[list[int], list[torch.Tensor], torch.Tensor] | None = None
         self.flags: list[_Flag] = []
         self.param_flag: _Flag | None = None
         self.checked = False
@@ -452,6 +467,7 @@ class Watch:
             h.remove()
         self.tensor_handles.clear()
         self.micro, self.flags, self.param_flag = [], [], None
+        self.passes, self.end_norms = {}, None
         self.checked = False
         self.stale_checked = False
         self.recorded = "watch"
@@ -478,6 +494,8 @@ class Watch:
             NantraceError: not inside ``with``.
         """
         r = self.r
+        if self.replaying:  # a hook in the replayed forward: the replay records the step's losses itself
+            return
         if not self._watching():
             r.step(loss)
             return
@@ -576,9 +594,7 @@ class Watch:
                 return
             if not self.stale_checked:
                 self._stale_check()
-            micro.grads[path] = grad
-            if micro.backward_after < 0:
-                micro.backward_after = len(self.micro)
+            _captured(self, micro, index, path, grad)
             head = "grad_output" + path[len("output") :] if path != "output" else "grad_output[0]"
             self._flag("loss", [(head, grad)], micro=index)
 
@@ -646,11 +662,14 @@ class Watch:
         """The gradient check, then the one read of this step's flags; a replay if one is non-finite."""
         self.checked = True
         r = self.r
-        ps = self.param_set = _Params.current(self.param_set, r.params)
-        index, grads = ps.grads()
+        got, self.end_norms = self.end_norms, None
+        if got is None:  # no backward reached the root's outputs: the gradients as they are now
+            got = _grad_norms(self)
+        else:
+            scaled = True  # as the backward left them: times the loss scale, as recorded
+        index, grads, norms = got
         if grads:
             with torch.no_grad():
-                norms = _norms(grads, ps.plain)  # a gradient has its parameter's device and dtype
                 total = torch.linalg.vector_norm(norms)
                 scale = r.scaler._scale if r.scaler is not None and r.scaler.is_enabled() else None
                 if not scaled and scale is not None:
@@ -679,7 +698,6 @@ class Watch:
         self.recorded = "replay"
         if not self.micro:
             return
-        params = list(r.root.parameters())
         now = [
             tuple(
                 t._version
@@ -698,22 +716,82 @@ class Watch:
         if issues_collectives(r.root):  # FSDP/DDP: a replay on this rank alone would wait for the others
             self.recorded = "not_replayed"
             return
-        self.replaying = True
-        r.rec.active = True
-        r.resume_hooks()
-        try:
-            with _restored(r.root, params):
-                _replay_micro_steps(r, self.micro)
-        except Exception as e:  # never raise into the user's loop
-            warnings.warn(
-                f"nantrace.watch could not replay step {r.rec.step} ({e!r}); first_overflow() reports what the "
-                "replay recorded before it failed, or where the sentinel saw the value if it recorded nothing",
-                stacklevel=2,
-            )
-        finally:
-            self.replaying = False
-            r.rec.active = False
-            r.suspend_hooks()  # a replay runs on watched steps only
+        _replay_step(self, note)
+
+
+def _captured(w: Watch, micro: _Micro, index: int, path: str, grad: torch.Tensor) -> None:
+    """A gradient that arrived at output ``path`` of micro-step ``index``: kept in its backward pass (one per
+    autograd graph task, in the order they came); a new pass also queues :func:`_grad_norms` for its end."""
+    task = _TASK_ID() if _TASK_ID is not None else 0
+    p = w.passes.get(task)
+    if p is None:
+        p = w.passes[task] = _Pass(len(w.micro))
+        _at_backward_end(w)
+    p.grads.append((index, path, grad))
+    if micro.backward_after < 0:
+        micro.backward_after = len(w.micro)
+
+
+_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _at_backward_end(w: Watch) -> None:
+    """Take the gradients' norms when the running backward pass ends (before the loop can clip them), for
+    ``steps.grad_norm`` and the gradient check: autograd's engine runs the callback after the pass."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+
+    def done() -> None:
+        if w.live and not w.replaying and w.mode == "watch":
+            try:
+                w.end_norms = _grad_norms(w)
+            except (
+                Exception
+            ):  # never raise into the user's backward: the check takes them at optimizer.step()
+                w.end_norms = None
+
+    if engine is not None:
+        with contextlib.suppress(RuntimeError):  # not inside a backward (a hook called by hand)
+            engine.queue_callback(done)
+
+
+def _grad_norms(w: Watch) -> tuple[list[int], list[torch.Tensor], torch.Tensor]:
+    """``(indices, gradients, per-gradient L2 norms)`` of the parameters that have a ``.grad`` now."""
+    ps = w.param_set = _Params.current(w.param_set, w.r.params)
+    index, grads = ps.grads()
+    if not grads:
+        return index, grads, torch.zeros(0)
+    with torch.no_grad():
+        return index, grads, _norms(grads, ps.plain)  # a gradient has its parameter's device and dtype
+
+
+def _replay_step(w: Watch, note: dict[str, Any]) -> None:
+    """Replay the watched step ``w`` (its micro-steps, then its backward passes) with the recording on, inside
+    :func:`_restored`; the step's ``steps`` row keeps what the real step had (its gradients' norms and stale
+    counts, not the replay's). A replayed forward whose root outputs differ from the real one's
+    (``note["outputs_differ"]``) or a replay that raised (``note["replay_failed"]``) is noted."""
+    r = w.r
+    pending = r.rec.pending
+    kept = (dict(pending.grad_norms), dict(pending.stale), dict(pending.grad_versions))
+    w.replaying = True
+    r.rec.active = True
+    r.resume_hooks()
+    try:
+        with _restored(r.root, list(r.root.parameters())):
+            differ = _replay_micro_steps(r, w.micro, list(w.passes.values()), w.flags)
+        if differ:
+            note["outputs_differ"] = differ
+    except Exception as e:  # never raise into the user's loop
+        note["replay_failed"] = f"{type(e).__name__}: {e}"[:300]
+        warnings.warn(
+            f"nantrace.watch could not replay step {r.rec.step} ({e!r}); first_overflow() reports what the "
+            "replay recorded before it failed, or where the sentinel saw the value if it recorded nothing",
+            stacklevel=3,
+        )
+    finally:
+        w.replaying = False
+        r.rec.active = False
+        r.suspend_hooks()  # a replay runs on watched steps only
+        pending.grad_norms, pending.stale, pending.grad_versions = kept
 
 
 def _recorded_as(
@@ -734,11 +812,20 @@ def _recorded_as(
             note["replay_first"] = later
             return "not_reproduced"
     elif recorded in ("replay", "post_step") and cols["n_nonfinite"][-1] == 0:
-        if note is not None and note.get("value") == "-inf" and cols["n_records"][-1] > 0:
+        if note is not None and note.get("value") == "-inf" and _recorded_neginf(chunks, step):
             del sentinel[str(step)]  # the replay recorded the -inf, and the mask rule judged it a mask
         elif not _explained(note, cols["stale_grads"][-1]):
             return "not_reproduced"
     return recorded
+
+
+def _recorded_neginf(chunks: list[dict[str, np.ndarray]], step: int) -> bool:
+    """``step``'s rows (its chunk, the last one) hold a -inf: with no row counted non-finite, the mask rule
+    judged every one a mask."""
+    if not chunks or not len(chunks[-1]["step"]):
+        return False
+    c = chunks[-1]
+    return bool(((c["n_neginf"] > 0) & (c["step"] == step)).any())
 
 
 def _weights_version(params: list[tuple[nn.Parameter, int, int, str]]) -> int:
@@ -749,7 +836,7 @@ def _weights_version(params: list[tuple[nn.Parameter, int, int, str]]) -> int:
 
 def _changed(note: dict[str, Any]) -> bool:
     """The step's inputs or weights were written in place after one of its forwards, before the replay."""
-    return bool(note.get("inputs_changed") or note.get("weights_changed"))
+    return bool(note.get("inputs_changed") or note.get("weights_changed") or note.get("outputs_differ"))
 
 
 def _note_of(bad: tuple[_Flag, int, float], step: int, root_type: str) -> dict[str, Any]:
@@ -852,11 +939,18 @@ def _param_names(
     return got
 
 
-def _replay_micro_steps(r: Recording, micros: list[_Micro]) -> None:
+def _replay_micro_steps(
+    r: Recording, micros: list[_Micro], passes: list[_Pass], flags: list[_Flag]
+) -> list[int]:
     """Run the root forward of every micro-step again (its RNG state, autocast and grad mode restored), record
-    its losses, and run each backward where the real step ran it (after the forward it followed); a loss seen
-    after its backward is recorded after the replayed backward, so the rows keep the real step's time order."""
+    its losses, and run each backward pass where the real step ran it (after the forward it followed, in the
+    order they came); a loss seen after its backward is recorded after the replayed backward, so the rows keep
+    the real step's time order. Returns the micro-steps whose replayed root outputs differ from what the
+    sentinel saw of the real ones (their smallest and largest values, ``flags``): state the forward read had
+    changed since (a buffer or attribute the forward or the loop set, the training flag, global state)."""
     outputs: dict[int, Any] = {}
+    differ: list[int] = []
+    seen = {f.micro: f for f in flags if f.phase == "forward"}
     for k, m in enumerate(micros):
         torch.set_rng_state(m.rng)
         set_host_rng_states(m.host_rng)
@@ -871,17 +965,33 @@ def _replay_micro_steps(r: Recording, micros: list[_Micro]) -> None:
                 outputs[k] = r.root(*m.args, **m.kwargs)
             finally:
                 reset_call_site(token)
+        if k in seen and not _same_extremes(seen[k], outputs[k]):
+            differ.append(k)
         for loss, late in m.losses:
             if not late:
                 r.record_loss(loss)
-        done = [j for j, mj in enumerate(micros) if mj.backward_after == k + 1]
-        _replay_backward(r, [(outputs[j], micros[j]) for j in done])
-        for j in done:
-            for loss, late in micros[j].losses:
-                if late:
-                    r.record_loss(
-                        loss
-                    )  # seen after its backward (``tr.step(loss)`` after ``loss.backward()``)
+        for p in passes:
+            if p.after == k + 1:
+                _replay_backward(r, outputs, p)
+        for mj in micros:
+            if mj.backward_after == k + 1:
+                for loss, late in mj.losses:
+                    if late:  # seen after its backward (``tr.step(loss)`` after ``loss.backward()``)
+                        r.record_loss(loss)
+    return differ
+
+
+def _same_extremes(flag: _Flag, output: Any) -> bool:
+    """The replayed root ``output`` has the smallest and largest values the sentinel's ``flag`` saw of the real
+    one (NaN equal to NaN): one host read, on a replayed step only."""
+    got = _extremes(list(flatten(output, "output")))
+    if got is None:
+        return not flag.paths
+    paths, values, _ = got
+    if paths != flag.paths:
+        return False
+    a, b = _store.to_host([flag.values, values]).reshape(2, -1)
+    return bool(np.array_equal(a, b, equal_nan=True))
 
 
 def _later_than_seen(chunks: list[dict[str, np.ndarray]], step: int, note: dict[str, Any]) -> str | None:
@@ -901,17 +1011,18 @@ def _later_than_seen(chunks: list[dict[str, np.ndarray]], step: int, note: dict[
     return PHASES[first] if first > seen else None
 
 
-def _replay_backward(r: Recording, pairs: list[tuple[Any, _Micro]]) -> None:
-    """``torch.autograd.backward`` from the replayed outputs with the gradients the real outputs received from
-    outside the model (:func:`_external_grads`: an output computed from another output, as a loss from the
-    logits returned beside it, already sends that one its share)."""
+def _replay_backward(r: Recording, outputs: dict[int, Any], p: _Pass) -> None:
+    """The backward pass ``p`` again: ``torch.autograd.backward`` from the replayed outputs with the gradients
+    the real outputs received in it from outside the model (:func:`_external_grads`: an output computed from
+    another output, as a loss from the logits returned beside it, already sends that one its share). The graph
+    is kept for a later pass that runs through the same forward."""
     tensors, grads = [], []
-    for out, m in pairs:
-        for path, t in flatten(out, "output"):
-            g = m.grads.get(path)
-            if g is not None and t.requires_grad:
-                tensors.append(t)
-                grads.append(g)
+    by_micro = {j: dict(flatten(out, "output")) for j, out in outputs.items()}
+    for j, path, g in p.grads:
+        t = by_micro.get(j, {}).get(path)
+        if t is not None and t.requires_grad:
+            tensors.append(t)
+            grads.append(g)
     if len(tensors) > 1:  # one output sends no share to another
         r.rec.active = False  # the shares are computed by a backward of their own: not recorded
         try:
@@ -919,7 +1030,7 @@ def _replay_backward(r: Recording, pairs: list[tuple[Any, _Micro]]) -> None:
         finally:
             r.rec.active = True
     if tensors:
-        torch.autograd.backward(tensors, grads)
+        torch.autograd.backward(tensors, grads, retain_graph=True)
 
 
 def _reachable(start: Any) -> set[int]:

@@ -72,6 +72,8 @@ def _replay_advice(note: dict[str, Any]) -> str:
         fixes.append("write the weights only outside the step (not between its micro-steps)")
     if fixes:
         return f"For watch to replay the step: {' and '.join(fixes)}."
+    if note.get("replay_failed"):
+        return "For watch to replay the step: let the forward and its hooks run twice for one step."
     return (
         "For watch to replay the step: keep the forward free of Python state that changes per call (a counter, a "
         "flag set by the loop) and use deterministic kernels (torch.use_deterministic_algorithms(True))."
@@ -138,6 +140,22 @@ def unreproduced(view: RunView, kind: str | None = None) -> list[Overflow]:
                 "backward issue collectives that the other ranks would never join, so its producer is unknown: "
                 "this is where the sentinel detected it. Trace that step with nantrace.trace() on every rank "
                 "to name the producer."
+            )
+        elif note.get("replay_failed"):
+            message = (
+                f"{saw}, but replaying the step raised {note['replay_failed']} (forward or hook code that ran "
+                "again), so its producer is unknown: this is where the sentinel detected it. Trace that step with "
+                "nantrace.trace() to name the producer."
+            )
+        elif note.get("replay_unused") and not (note.get("inputs_changed") or note.get("weights_changed")):
+            micro = ", ".join(str(k) for k in note.get("outputs_differ", []))
+            message = (
+                f"{saw}, but the replayed forward of micro-step(s) {micro} computed other outputs than the real "
+                "one (their smallest or largest value differ): what the forward reads had changed since (a call "
+                "counter or flag of a module or of the loop, a buffer the forward updates, the training flag, "
+                "global Python state) or a kernel is non-deterministic, so the values its replay recorded are not "
+                "this step's and are not used: its producer is unknown: this is where the sentinel detected it. "
+                "Trace that step with nantrace.trace() to name the producer."
             )
         elif note.get("replay_unused"):
             message = (

@@ -210,9 +210,35 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     rest.required = False  # argparse counts a REMAINDER positional as required in its error message
 
 
+#: ``nantrace run``'s options that take a value (``--watch`` takes one only when it is an integer).
+_RUN_VALUED = frozenset({"--out", "--modules", "--phases", "--every", "--tensorboard"})
+
+
+def _watch_value(argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``--watch``'s default N written out where ``nantrace run --watch`` is followed by no integer
+    (``--watch train.py``: argparse would read the script as N). Only ``run``'s own options are looked at, up to
+    the script: the script's arguments are its own."""
+    out = list(argv)
+    if "run" not in out:
+        return out
+    i = out.index("run") + 1
+    while i < len(out) and out[i].startswith("-") and out[i] != "--":
+        flag = out[i]
+        if flag == "--watch":
+            nxt = out[i + 1] if i + 1 < len(out) else ""
+            if not nxt.lstrip("-").isdigit():
+                from ._watch import DEFAULT_EVERY
+
+                out.insert(i + 1, str(DEFAULT_EVERY))
+            i += 2
+            continue
+        i += 2 if flag in _RUN_VALUED else 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``nantrace`` console script; returns the exit code."""
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(_watch_value(sys.argv[1:] if argv is None else argv))
     if args.command == "run":
         return _run(args)  # the script's own output and exit code, untouched
     try:
@@ -419,6 +445,12 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if args.watch is not None and args.watch < 1:
         _err(f"--watch {args.watch!r}: N must be an int ≥ 1 (a full step every N steps)")
+        return EXIT_USAGE
+    if args.watch is not None and args.every != 1:
+        _err(
+            f"--every {args.every} with --watch: under --watch the full steps come every N of --watch N "
+            "(--every is for full tracing); give one of them"
+        )
         return EXIT_USAGE
     watch = False if args.watch is None else args.watch
     result = run_script(script, args.args, out=out, options=options, watch=watch)

@@ -249,8 +249,8 @@ class NanTraceCallback(TrainerCallback):
     # ------------------------------------------------------------------ hooks
     def _capture_loss(self, module: nn.Module, args: Any, output: Any) -> None:
         s = self._session
-        if s is None or not s.active:
-            return
+        if s is None or not s.active or (s.watch is not None and s.watch.replaying):
+            return  # a watch replay runs the forward again: its loss is the step's, recorded by the replay
         loss = _model_loss(output)
         if loss is None:
             return

@@ -1,0 +1,265 @@
+"""What a watch replay does with state the forward reads, several backward passes over one forward, the
+gradient norm the backward left, a replay that raises, and a loss given to ``tr.step`` from a forward hook."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+import nantrace
+
+FIELDS = ("step", "micro_step", "phase", "module", "module_type", "call", "tensor", "kind")
+
+
+def _fields(ov: nantrace.Overflow | None) -> tuple[Any, ...] | None:
+    return None if ov is None else tuple(getattr(ov, f) for f in FIELDS)
+
+
+def _watch(model: nn.Module, **kw: Any) -> nantrace.Trace:
+    return nantrace.watch(model, every=None, **kw)
+
+
+class _Gain(nn.Module):
+    """Multiplies by a buffer, then multiplies the buffer by 16 (a running normaliser, an EMA codebook): a
+    replay after the step reads the buffer the step left."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("g", torch.tensor(1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x * self.g.clone()
+        with torch.no_grad():
+            self.g.mul_(16.0)
+        return out
+
+
+def _gain_run(make: Any) -> nantrace.Trace:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), _Gain(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    with make(model, scaler=scaler, optimizer=opt) as tr:
+        for step in range(4):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(3, 4))
+            loss = out.float().pow(2).mean()
+            if step == 3:
+                loss = loss - torch.log(torch.tensor(0.0))  # the fault: a loss of +inf
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return tr
+
+
+def test_a_replay_whose_forward_reads_a_buffer_the_step_changed_is_not_reproduced_not_invented() -> None:
+    traced, watched = _gain_run(nantrace.trace), _gain_run(_watch)
+    assert _fields(traced.first_overflow()) == (3, 0, "loss", "", "loss", 0, "loss", "inf")
+    # the replayed forward read g = 16**4 and overflowed float16 in `1`: not what the real step computed
+    assert watched.steps["recorded"].tolist() == ["watch", "watch", "watch", "not_reproduced"]
+    ov = watched.first_overflow()
+    assert _fields(ov) == _fields(traced.first_overflow())
+    assert watched.options["watch"]["sentinel"]["3"]["outputs_differ"] == [0]
+    assert str(ov).startswith(
+        "nantrace.watch saw inf at step 3 (micro-step 0, loss: loss of the model), but the replayed forward of "
+        "micro-step(s) 0 computed other outputs than the real one (their smallest or largest value differ)"
+    )
+
+
+def _two_passes(make: Any) -> nantrace.Trace:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with make(model, optimizer=opt) as tr:
+        for step in range(3):
+            if step == 1:
+                with torch.no_grad():
+                    model[2].weight.fill_(10.0)
+            opt.zero_grad()
+            out = model(torch.ones(2, 4, dtype=torch.float16))
+            (out.float().sum() * (1e4 if step == 1 else 1.0)).backward(
+                retain_graph=True
+            )  # overflows at step 1
+            (out.float().sum() * 1e-3).backward()  # a second pass over the same forward: finite
+            tr.step(loss=out.float().sum())
+            opt.step()
+    return tr
+
+
+def test_two_backward_passes_over_one_forward_are_replayed_in_their_order() -> None:
+    traced, watched = _two_passes(nantrace.trace), _two_passes(_watch)
+    assert _fields(traced.first_overflow()) == (1, 0, "backward", "2", "Linear", 0, "grad_input[0]", "inf")
+    assert _fields(watched.first_overflow()) == _fields(traced.first_overflow())
+    assert watched.steps["recorded"].tolist() == ["watch", "replay", "replay"]
+
+
+def _penalty(make: Any) -> nantrace.Trace:
+    """A gradient penalty (WGAN-GP, R1): ``torch.autograd.grad`` of the outputs with ``create_graph=True``,
+    then a backward of a loss holding that gradient; at step 1 the first pass's gradient overflows float16."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with make(model, optimizer=opt) as tr:
+        for step in range(3):
+            opt.zero_grad()
+            x = torch.ones(2, 4, dtype=torch.float16, requires_grad=True)
+            out = model(x)
+            (g,) = torch.autograd.grad(out.float().sum() * (1e5 if step == 1 else 1.0), x, create_graph=True)
+            loss = out.float().pow(2).mean() + (g.float().norm(dim=1) - 1).pow(2).mean()
+            loss.backward()
+            tr.step(loss=loss)
+            opt.step()
+    return tr
+
+
+def test_a_gradient_penalty_pass_is_replayed_before_the_loss_backward() -> None:
+    traced, watched = _penalty(nantrace.trace), _penalty(_watch)
+    assert _fields(traced.first_overflow()) == (1, 0, "loss", "", "Sequential", 0, "grad_output[0]", "inf")
+    assert _fields(watched.first_overflow()) == _fields(traced.first_overflow())
+    assert watched.steps["recorded"].tolist() == ["watch", "replay", "replay"]
+
+
+def _clipped(make: Any) -> list[float]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with make(model, optimizer=opt) as tr:
+        for _ in range(3):
+            opt.zero_grad()
+            loss = model(torch.randn(8, 4) * 10).pow(2).mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            tr.step(loss=loss)
+            opt.step()
+    return tr.steps["grad_norm"].tolist()
+
+
+def test_a_watched_steps_gradient_norm_is_taken_before_the_loop_clips() -> None:
+    traced, watched = _clipped(nantrace.trace), _clipped(_watch)
+    assert [round(v, 4) for v in traced] == [75.4516, 66.8854, 75.4579]
+    assert [round(v, 4) for v in watched] == [75.4516, 66.8854, 75.4579]  # not 1.0, the clipped norm
+
+
+def _stale(make: Any) -> nantrace.Trace:
+    """No ``zero_grad()``: step 1's float16 gradients overflow and stay in ``.grad`` for the later steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).half()
+    with make(model) as tr:
+        for step in range(4):
+            loss = model(torch.ones(2, 4, dtype=torch.float16) * (1e5 if step == 1 else 1.0)).float().sum()
+            loss.backward()
+            tr.step(loss=loss)  # no optimizer: the weights stay finite, the gradients pile up
+    return tr
+
+
+def test_a_replayed_steps_gradient_norm_and_stale_count_are_the_real_steps() -> None:
+    traced, watched = _stale(nantrace.trace), _stale(_watch)
+    for tr in (traced, watched):
+        steps = tr.steps
+        assert steps["grad_norm"].isna().tolist() == [False, True, True, True]  # .grad held inf/NaN
+        assert steps["stale_grads"].tolist() == [0.0, 0.0, 2.0, 2.0]
+    assert watched.steps["recorded"].tolist() == ["watch", "replay", "replay", "replay"]
+    r = watched.records
+    replayed = r[(r["step"] == 2) & r["tensor"].astype(str).str.endswith(".grad")]
+    assert (
+        int((replayed["n_nan"] + replayed["n_posinf"] + replayed["n_neginf"]).sum()) == 0
+    )  # its own: finite
+
+
+def _raising_hook_run() -> tuple[nantrace.Trace, list[str]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).half()
+    with torch.no_grad():
+        model[1].weight.fill_(1e4)
+    calls = [0]
+
+    def hook(m: nn.Module, args: Any, out: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 3:  # the replay of step 1
+            raise RuntimeError("boom")
+
+    model[0].register_forward_hook(hook)
+    with warnings.catch_warnings(record=True) as caught, _watch(model) as tr:
+        warnings.simplefilter("always")
+        for step in range(3):
+            tr.step(
+                model(torch.full((2, 4), 10.0 if step == 1 else 0.001, dtype=torch.float16)).float().sum()
+            )
+    return tr, [str(w.message) for w in caught if "could not replay" in str(w.message)]
+
+
+def test_a_replay_that_raises_says_so_where_the_sentinel_saw_the_value() -> None:
+    tr, warned = _raising_hook_run()
+    assert warned == [
+        "nantrace.watch could not replay step 1 (RuntimeError('boom')); first_overflow() reports what the replay "
+        "recorded before it failed, or where the sentinel saw the value if it recorded nothing"
+    ]
+    assert tr.steps["recorded"].tolist() == ["watch", "not_reproduced", "watch"]
+    ov = tr.first_overflow()
+    assert _fields(ov) == (1, 0, "forward", "", "Sequential", 0, "output", "inf")
+    assert str(ov).startswith(
+        "nantrace.watch saw inf at step 1 (micro-step 0, forward: output of the model), but replaying the step "
+        "raised RuntimeError: boom (forward or hook code that ran again)"
+    )
+
+
+def test_a_loss_given_to_tr_step_from_a_forward_hook_is_recorded_once_on_a_replayed_step() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 2))
+    with _watch(model) as tr:
+        model.register_forward_hook(lambda m, a, out: tr.step(loss=out.sum()))  # as the HF callback does
+        for step in range(3):
+            model(torch.full((2, 4), float("nan") if step == 1 else 1.0))
+    assert tr.steps["recorded"].tolist() == ["watch", "replay", "watch"]
+    loss_rows = tr.records[(tr.records["step"] == 1) & (tr.records["phase"] == "loss")]
+    assert loss_rows["tensor"].tolist() == ["loss"]
+
+
+def test_nantrace_run_watch_without_n_before_the_script_and_with_every(tmp_path: Any, capsys: Any) -> None:
+    from nantrace import cli
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch\n"
+        "m = torch.nn.Linear(2, 1)\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    opt.zero_grad(); m(torch.ones(1, 2)).sum().backward(); opt.step()\n"
+        "print('args', sys.argv[1:])\n"
+    )
+    # --watch right before the script: N is not the script's name; the script's own --watch stays its own
+    assert cli.main(["run", "--watch", "--out", str(tmp_path / "a"), str(script), "--watch", "x"]) == 0
+    assert capsys.readouterr().out == "args ['--watch', 'x']\n"
+    assert cli.main(["run", "--out", str(tmp_path / "b"), "--watch", str(script)]) == 0
+    assert nantrace.load(tmp_path / "b" / "trace.nantrace").steps["recorded"].tolist() == [
+        "full",
+        "watch",
+        "watch",
+    ]
+    capsys.readouterr()
+    assert cli.main(["run", "--watch", "2", "--every", "3", "--out", str(tmp_path / "c"), str(script)]) == 2
+    assert capsys.readouterr().err.startswith(
+        "nantrace: error: --every 3 with --watch: under --watch the full steps come every N of --watch N"
+    )
+
+
+def test_a_used_or_nested_watch_is_refused_in_its_own_words() -> None:
+    import pytest
+
+    model = nn.Linear(2, 1)
+    tr = nantrace.watch(model)
+    with tr:
+        with pytest.raises(nantrace.NantraceError) as nested, nantrace.trace(model):
+            pass
+        model(torch.ones(1, 2))
+    assert str(nested.value) == (
+        "Linear is already being traced by another active nantrace.trace() or nantrace.watch(); nested traces "
+        "of the same model are not supported: exit the first one"
+    )
+    with pytest.raises(nantrace.NantraceError) as again, tr:
+        pass
+    assert str(again.value) == "this Trace has already been used; create a new one with nantrace.watch(model)"
