@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -68,11 +68,62 @@ def param_hook(
         if sharded:  # FSDP2: the reduce-scattered gradient; this rank's shard
             g = g.to_local()  # type: ignore[attr-defined]
         rec.add("backward", mcode, tcode, 0, path, g, is_grad=True, parent=-1, reduced=sharded)
-        rec.pending.grad_norms[index] = _grad_norm(g)
         if not sharded and not g.is_inference():  # (a shard is a new tensor each time: never reused)
             rec.pending.grad_versions[index] = (weakref.ref(g), g._version)
+            if _norms_at_pass_end(rec.pending):
+                return
+        rec.pending.grad_norms[index] = _grad_norm(g)
 
     return eager(hook)
+
+
+_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _norms_at_pass_end(pending: Any) -> bool:
+    """Queue, once per backward pass, :func:`_pass_norms` for when the pass ends (an autograd engine
+    callback): one fused reduction over the gradients hooked in the step instead of one per parameter. False
+    when it cannot be queued (the gradient's norm is then taken at once)."""
+    task = _TASK_ID() if _TASK_ID is not None else -1
+    if task < 0:
+        return False
+    if pending.norms_task == task:
+        return True
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is None:
+        return False
+    try:
+        engine.queue_callback(lambda: _pass_norms(pending))
+    except RuntimeError:  # not inside a backward pass
+        return False
+    pending.norms_task = task
+    return True
+
+
+def _pass_norms(pending: Any) -> None:
+    """The L2 norm of each gradient the step's parameter hooks saw (``pending.grad_versions``), as the backward
+    pass left it: fused per device (``torch._foreach_norm``), accumulated in float32 (float64 gradients in
+    float64), into ``pending.grad_norms``. Never raises into the backward: a gradient whose norm could not be
+    taken fused gets its own."""
+    groups: dict[tuple[torch.device, bool], list[tuple[int, torch.Tensor]]] = {}
+    for i, (ref, _) in pending.grad_versions.items():
+        g = ref()
+        if g is not None:
+            groups.setdefault((g.device, g.dtype == torch.float64), []).append((i, g.detach()))
+    with torch.no_grad():
+        for (_, wide), items in groups.items():
+            norms: Sequence[torch.Tensor]
+            try:
+                grads = [g for _, g in items]
+                norms = (
+                    torch._foreach_norm(grads, 2)
+                    if wide
+                    else torch._foreach_norm(grads, 2, dtype=torch.float32)
+                )
+            except Exception:
+                norms = [_grad_norm(g) for _, g in items]
+            for (i, _), n in zip(items, norms, strict=True):
+                pending.grad_norms[i] = n
 
 
 def applied_norm(r: Recording) -> None:

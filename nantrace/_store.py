@@ -264,6 +264,8 @@ class PendingStep:
     # gradient optimizer.step() applies is still that one, unchanged, applied_same: the applied norm is grad_norm
     grad_versions: dict[int, tuple[Any, int]] = field(default_factory=dict)
     applied_same: bool = False
+    # the autograd graph task (backward pass) whose end takes the hooked gradients' norms (-2: none queued)
+    norms_task: int = -2
     scale: torch.Tensor | float | None = None
     next_scale: torch.Tensor | float | None = None
     growth_tracker: torch.Tensor | float | None = None
