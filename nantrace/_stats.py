@@ -19,7 +19,9 @@ Two implementations give the same numbers:
 * :func:`stats_host` is for CPU tensors, where reading a value costs no device synchronisation. It reads the
   float's bits as integers: one integer min/max pass gives min/max, the smallest ``|x|`` of a tensor of one sign
   and proof that it holds no inf/NaN (their bit patterns are the largest magnitudes), so the inf/NaN counts are
-  zero without counting. It returns a tuple of Python floats.
+  zero without counting; only a tensor holding a zero takes the passes that count them. Each pass is numpy's (one
+  thread, the cheaper call) or, for large contiguous tensors, torch's (two threads). It returns a tuple of Python
+  floats.
 
 Only dense floating-point tensors with at least one element are described (:func:`describable`). float8
 tensors are widened to float32 first because most reductions do not accept them.
@@ -29,7 +31,8 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -189,35 +192,78 @@ def stats_host(t: torch.Tensor) -> tuple[float, ...]:
 
     Reads values on the host (free for CPU tensors) to skip work. The float's bits are read as integers
     (:func:`_bits_stats`): one integer min/max pass gives min/max of a tensor of one sign, its smallest ``|x|``,
-    and proves it free of inf/NaN; a tensor of both signs takes one float ``amin`` and one unsigned integer
-    minimum more; only a tensor holding a zero (ReLU, dropout, masks) takes one pass that counts them and finds
-    the smallest non-zero ``|x|``. A tensor holding inf/NaN falls back to :func:`stats_device`.
+    and proves it free of inf/NaN; a tensor of both signs takes an unsigned maximum (or a float ``amin``) and an
+    unsigned minimum more; only a tensor holding a zero (ReLU, dropout, masks) takes the passes that count them
+    and find the smallest non-zero ``|x|`` (:func:`_zeros_and_least`). A tensor holding inf/NaN falls back to
+    :func:`stats_device`.
     """
-    if t.element_size() == 1 and t.numel() > CHUNK_ELEMENTS:  # float8: widen chunk by chunk, not all at once
+    kind = _KINDS.get(t.dtype)
+    if kind is not None:
+        x = t.detach() if t.requires_grad else t  # numpy reads a tensor outside autograd only
+    elif t.element_size() == 1 and t.numel() > CHUNK_ELEMENTS:  # float8: widened a chunk at a time
         return tuple(stats_device(t).tolist())
-    x = _work_view(t)
-    got = _bits_stats(x) if x.dtype in _INF_BITS and not x.is_neg() else None
+    else:
+        x = _work_view(t)
+        kind = _KINDS.get(x.dtype)
+    got = _bits_stats(x, kind) if kind is not None and not x.is_neg() else None
     if got is None:
         return tuple(stats_device(x).tolist())
     return got
 
 
-#: Tensors of at most this many elements are read with numpy (one thread, ~1 µs a call) instead of torch's
-#: reductions (two threads, a few µs a call): below it, the call's cost is most of the statistic's (measured in
-#: ``benchmarks/stats_alternatives.py``). Never above :data:`CHUNK_ELEMENTS`, so numpy's temporaries stay a chunk.
+#: The integer min/max pass over a tensor of at most this many elements is numpy's (one thread, ~1 µs a call)
+#: instead of torch's ``aminmax`` (two threads, a few µs a call): below it, the call's cost is most of the
+#: statistic's (measured in ``benchmarks/stats_alternatives.py``). A strided tensor is read by numpy at any size:
+#: torch's ``aminmax`` over a transposed view costs several times numpy's min and max, which reduce in memory order
+#: (a transposed 512×1024 float32 tensor's bits: 0.50 ms against 0.09 ms).
 NUMPY_ELEMENTS = 1 << 17
 
-#: The bit pattern of +inf: a magnitude (sign bit cleared) at or above it is inf or NaN.
-_INF_BITS = {
-    torch.float16: 0x7C00,
-    torch.bfloat16: 0x7F80,
-    torch.float32: 0x7F800000,
-    torch.float64: 0x7FF0000000000000,
+#: Above this many elements, the passes torch can make (the float ``amin`` for the most negative value of a tensor
+#: of both signs; per chunk, the zero count and the elementwise steps of :func:`_zeros_and_least`) run in torch,
+#: on two threads. Below it, numpy's one-threaded passes cost less, in the sequence of passes a statistic makes
+#: over one tensor (measured on the tensors one training step records, 2 threads).
+TORCH_PASS_ELEMENTS = 1 << 19
+
+
+class _Kind(NamedTuple):
+    """How a float dtype's bits are read: its integer dtypes, the bit patterns that matter, and a bit pattern's
+    value."""
+
+    bits: torch.dtype  # the signed integer dtype of the same size (a torch view)
+    float_np: Any  # numpy's float dtype, None for bfloat16 (numpy has none: its bits are viewed in torch)
+    int_np: Any
+    uint_np: Any
+    inf: int  # the bit pattern of +inf: a magnitude (sign bit cleared) at or above it is inf or NaN
+    sign: int  # the sign bit alone, read as a signed integer (the smallest one)
+    value: Callable[[int], float]  # the value of a non-negative bit pattern (``struct``: no array made)
+
+
+def _value(bits_fmt: str, float_fmt: str, shift: int = 0) -> Callable[[int], float]:
+    """The value of a non-negative bit pattern, read by ``struct`` (no array made)."""
+    pack, unpack = struct.Struct(bits_fmt).pack, struct.Struct(float_fmt).unpack
+    if shift:  # bfloat16 is the top half of a float32
+        return lambda bits: unpack(pack(bits << shift))[0]
+    return lambda bits: unpack(pack(bits))[0]
+
+
+_KINDS = {
+    torch.float16: _Kind(
+        torch.int16, np.float16, np.int16, np.uint16, 0x7C00, -(1 << 15), _value("<H", "<e")
+    ),
+    torch.bfloat16: _Kind(torch.int16, None, np.int16, np.uint16, 0x7F80, -(1 << 15), _value("<I", "<f", 16)),
+    torch.float32: _Kind(
+        torch.int32, np.float32, np.int32, np.uint32, 0x7F800000, -(1 << 31), _value("<I", "<f")
+    ),
+    torch.float64: _Kind(
+        torch.int64, np.float64, np.int64, np.uint64, 0x7FF0000000000000, -(1 << 63), _value("<Q", "<d")
+    ),
 }
-_SIGN = {2: -(1 << 15), 4: -(1 << 31), 8: -(1 << 63)}  # the sign bit alone, read as a signed integer
+# the ufuncs' reductions, called directly: ``ndarray.min()`` goes through two Python-level numpy wrappers first
+_np_min, _np_max = np.minimum.reduce, np.maximum.reduce
+_count_nonzero = np.count_nonzero
 
 
-def _bits_stats(x: torch.Tensor) -> tuple[float, ...] | None:
+def _bits_stats(x: torch.Tensor, kind: _Kind) -> tuple[float, ...] | None:
     """Statistics of a finite CPU tensor from its bits read as integers; None when it holds inf/NaN (or numpy
     cannot read its bits in place).
 
@@ -226,109 +272,103 @@ def _bits_stats(x: torch.Tensor) -> tuple[float, ...] | None:
     the minimum is the negative value nearest zero (``-0.0`` is the sign bit alone) or, when there is none, the
     smallest value; the maximum is the largest value or, when every sign bit is set, the most negative one. So one
     signed min/max gives everything for a tensor of one sign. A tensor of both signs also needs its most negative
-    value (a float ``amin``) and its non-negative value nearest zero (the *unsigned* minimum: every sign-bit-set
-    pattern is above every other). A zero shows as a magnitude of 0; :func:`_zeros_and_least` then counts them.
+    value (the *unsigned* maximum, or a float ``amin`` for a large tensor) and its non-negative value nearest
+    zero (the unsigned minimum: every sign-bit-set pattern is above every other). A zero shows as a magnitude of 0
+    there; :func:`_zeros_and_least` then counts them.
     """
-    size, dtype = x.element_size(), x.dtype
-    inf, sign = _INF_BITS[dtype], _SIGN[size]
-    xi = x.view(_INT[size])
-    a: np.ndarray | None = None
+    bits, float_np, int_np, uint_np, inf, sign, value = kind
+    n = x.numel()
     try:
-        if x.numel() <= min(NUMPY_ELEMENTS, CHUNK_ELEMENTS):
-            a = xi.numpy()
+        a = x.numpy().view(int_np) if float_np is not None else x.view(bits).numpy()
+        if n <= NUMPY_ELEMENTS or not x.is_contiguous():  # torch's strided reductions are the slower
             smin, smax = int(_np_min(a, axis=None)), int(_np_max(a, axis=None))
         else:
-            lo_t, hi_t = torch.aminmax(xi)
+            lo_t, hi_t = torch.aminmax(x.view(bits))
             smin, smax = int(lo_t), int(hi_t)
-        if smin >= 0:  # no sign bit set: every value is +0.0 or positive
-            if smax >= inf:
-                return None
-            lo, hi = _float_of_bits(smin, dtype), _float_of_bits(smax, dtype)
-            if smin > 0:
-                return (lo, hi, hi, lo, 0.0, 0.0, 0.0, 0.0)
-        elif smax < 0:  # every sign bit set: -0.0 or negative
-            big, small = (
-                smax - sign,
-                smin - sign,
-            )  # magnitude bits of the most negative and of the nearest zero
+    except (RuntimeError, TypeError, ValueError):  # bits numpy cannot read in place
+        return None
+    if smin >= 0:  # no sign bit set: every value is +0.0 or positive
+        if smax >= inf:
+            return None
+        hi = value(smax)
+        if smin > 0:
+            lo = value(smin)
+            return (lo, hi, hi, lo, 0.0, 0.0, 0.0, 0.0)
+        lo, least_neg = 0.0, -1  # a +0.0 and no -0.0: the zeros are read on the bits as they are
+        plus_only = True
+    elif smax < 0:  # every sign bit set: -0.0 or negative
+        big, small = smax - sign, smin - sign  # magnitude bits of the most negative and of the nearest zero
+        if big >= inf:
+            return None
+        lo, hi = -value(big), -value(small)
+        if small > 0:
+            return (lo, hi, -lo, -hi, 0.0, 0.0, 0.0, 0.0)
+        least_neg, plus_only = -1, False  # a -0.0: the zeros are read on the magnitude bits
+    else:  # both signs
+        if smax >= inf:
+            return None
+        u = a.view(uint_np)
+        if n <= TORCH_PASS_ELEMENTS or not x.is_contiguous():
+            big = int(_np_max(u, axis=None)) + sign  # the largest unsigned pattern: the most negative value
             if big >= inf:
                 return None
-            lo, hi = -_float_of_bits(big, dtype), -_float_of_bits(small, dtype)
-            if small > 0:
-                return (lo, hi, -lo, -hi, 0.0, 0.0, 0.0, 0.0)
-        else:  # both signs
-            if smax >= inf:
+            lo = -value(big)
+        else:
+            lo = float(x.amin())  # two threads
+            if not lo > -_INF:  # -inf, or NaN (amin propagates it)
                 return None
-            u = (a if a is not None else xi.numpy()).view(_UINT[size])
-            if a is not None:
-                big = (
-                    int(_np_max(u, axis=None)) + sign
-                )  # the largest unsigned pattern: the most negative value
-                if big >= inf:
-                    return None
-                lo = -_float_of_bits(big, dtype)
-            else:
-                lo = float(x.amin())  # two threads: cheaper than numpy's one for a large tensor
-                if not lo > -_INF:  # -inf, or NaN (amin propagates it)
-                    return None
-            hi = _float_of_bits(smax, dtype)
-            neg = smin - sign  # magnitude bits of the negative value nearest zero (0: a -0.0)
-            pos = (
-                int(_np_min(u, axis=None)) if neg > 0 else 0
-            )  # the non-negative value nearest zero (0: a +0.0)
+        hi = value(smax)
+        least_neg = smin - sign  # magnitude bits of the negative value nearest zero (0: a -0.0)
+        if least_neg > 0:
+            pos = int(_np_min(u, axis=None))  # the non-negative value nearest zero (0: a +0.0)
             if pos > 0:
-                return (lo, hi, max(-lo, hi), _float_of_bits(min(pos, neg), dtype), 0.0, 0.0, 0.0, 0.0)
-    except (RuntimeError, TypeError):  # bits numpy cannot read in place
-        return None
-    zeros, least = _zeros_and_least(xi, signed=smin < 0)
-    absmin = _float_of_bits(least, dtype) if least >= 0 else _NAN
+                return (lo, hi, max(-lo, hi), value(min(pos, least_neg)), 0.0, 0.0, 0.0, 0.0)
+        plus_only = least_neg > 0  # a +0.0 and no -0.0, or a -0.0
+    zeros, least = _zeros_and_least(x, a, kind, plus_only=plus_only)
+    if least_neg > 0 and not 0 <= least < least_neg:  # the negative value nearest zero (the signed minimum)
+        least = least_neg
+    absmin = value(least) if least >= 0 else _NAN
     return (lo, hi, max(abs(lo), abs(hi)), absmin, 0.0, 0.0, 0.0, float(zeros))
 
 
-def _zeros_and_least(xi: torch.Tensor, *, signed: bool) -> tuple[int, int]:
-    """``(zero count, bits of the smallest non-zero magnitude)`` of a finite tensor's integer view ``xi``, -1 for
-    the bits when every element is zero; ``signed``: some sign bit is set (it is cleared first, so ``-0.0``
-    counts as a zero).
+def _zeros_and_least(x: torch.Tensor, a: np.ndarray, kind: _Kind, *, plus_only: bool) -> tuple[int, int]:
+    """``(zero count, bits of the smallest non-zero positive value or magnitude)`` of a finite tensor ``x`` whose
+    integer bits numpy reads as ``a``; -1 for the bits when every element is zero.
 
-    Chunk by chunk (:func:`_chunks`): magnitude bits (a temporary of one chunk), their non-zero count, then the
-    unsigned minimum of the magnitudes minus 1, where a zero wraps to the largest pattern and every other value
-    keeps its order."""
-    size = xi.element_size()
-    keep, unsigned = -_SIGN[size] - 1, _UINT[size]
-    nonzero, lows = 0, []
-    for c in _chunks(xi):
-        if c.numel() <= NUMPY_ELEMENTS:
-            a = c.numpy()
-            a = a & keep if signed else a
-            nonzero += int(np.count_nonzero(a))
-            lows.append(int(_np_min((a - 1).view(unsigned), axis=None)))
+    ``plus_only``: ``x`` holds no ``-0.0``, so a zero is the pattern 0 and the bits are read as they are: the
+    zero count is the elements less their non-zero count, and the smallest positive value is one more than the
+    unsigned minimum of the bits minus 1 (a zero wraps to the largest pattern; a negative value stays above every
+    positive one, so the bits returned are a negative value's, sign bit set, when there is no positive value:
+    the caller compares them with the negative value nearest zero, its signed minimum). Otherwise the magnitude
+    bits (sign bit cleared: a temporary) are counted and reduced the same way, so ``-0.0`` counts as a zero.
+
+    Chunk by chunk (:func:`_chunks`), so a temporary is one chunk; a contiguous chunk of more than
+    :data:`TORCH_PASS_ELEMENTS` elements is counted and shifted in torch (two threads), the rest in numpy (one
+    thread; numpy also lays a temporary out like a strided chunk, so both are read in memory order)."""
+    keep, n = -kind.sign - 1, x.numel()
+    parts = [a] if n <= CHUNK_ELEMENTS else [c.numpy() for c in _chunks(x.view(kind.bits))]
+    nonzero, low = 0, -1
+    for c in parts:
+        if c.size > TORCH_PASS_ELEMENTS and c.flags.c_contiguous:
+            ct = torch.from_numpy(c)
+            if plus_only:
+                nonzero += int(torch.count_nonzero(ct))
+                m = ct - 1
+            else:
+                m = torch.bitwise_and(ct, keep)
+                nonzero += int(torch.count_nonzero(m))
+                m.sub_(1)
+            s = m.numpy()
+        elif plus_only:
+            nonzero += int(_count_nonzero(c))
+            s = c - 1
         else:
-            m = torch.bitwise_and(c, keep) if signed else c
-            nonzero += int(torch.count_nonzero(m))
-            lows.append(int(_np_min((m.sub_(1) if signed else m - 1).numpy().view(unsigned), axis=None)))
-    return xi.numel() - nonzero, (min(lows) + 1 if nonzero else -1)
-
-
-_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-# the ufuncs' reductions, called directly: ``ndarray.min()`` goes through two Python-level numpy wrappers first
-_np_min, _np_max = np.minimum.reduce, np.maximum.reduce
-_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _float_of_bits(bits: int, dtype: torch.dtype) -> float:
-    """The value of a non-negative bit pattern of ``dtype`` as a Python float (``struct``: no array made)."""
-    if dtype == torch.bfloat16:  # bfloat16 is the top half of a float32
-        return float(_F32.unpack(_U32.pack(bits << 16))[0])
-    fmt_u, fmt_f = _STRUCTS[dtype]
-    return float(fmt_f.unpack(fmt_u.pack(bits))[0])
-
-
-_U32, _F32 = struct.Struct("<I"), struct.Struct("<f")
-_STRUCTS = {
-    torch.float16: (struct.Struct("<H"), struct.Struct("<e")),
-    torch.float32: (_U32, _F32),
-    torch.float64: (struct.Struct("<Q"), struct.Struct("<d")),
-}
+            s = c & keep
+            nonzero += int(_count_nonzero(s))
+            s -= 1
+        part_low = int(_np_min(s.view(kind.uint_np), axis=None))
+        low = part_low if low < 0 else min(low, part_low)
+    return n - nonzero, (low + 1 if nonzero else -1)
 
 
 def is_clean_host(t: torch.Tensor) -> bool:
