@@ -114,7 +114,7 @@ def test_unchanged_gradients_reuse_grad_norm_and_changed_ones_are_read_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Without a GradScaler, clipping or anything else writing to ``.grad`` after backward, the gradients
-    optimizer.step() applies are the ones whose norms the post-accumulate hooks took: ``applied_grad_norm`` is
+    optimizer.step() applies are the ones whose norms the backward pass's end took: ``applied_grad_norm`` is
     ``grad_norm`` with no second pass over every gradient. Clipped in place (their version moved), they are read
     again when optimizer.step() starts."""
     passes: list[int] = []
@@ -139,7 +139,9 @@ def test_unchanged_gradients_reuse_grad_norm_and_changed_ones_are_read_again(
     st = tr.steps
     assert st["grad_norm"].tolist() == [5.0, 5.0, 5.0]
     assert st["applied_grad_norm"].tolist() == [5.0, pytest.approx(2**0.5, rel=1e-7), 5.0]
-    assert passes == [1]  # only the clipped step's gradients were read a second time
+    # one fused norm per backward pass (grad_norm, taken when the pass ends), and only the clipped step's
+    # gradients read a second time, when optimizer.step() starts
+    assert passes == [1, 1, 1, 1]
 
 
 def test_applied_grad_norm_without_scaler_and_for_a_skipped_step() -> None:
