@@ -41,7 +41,16 @@ from ._stats import describable, is_clean_host, stats_device, stats_host
 from ._store import PendingStep, Store
 from ._tree import flatten_list
 
-__all__ = ["CAST_OP", "FirstNonfinite", "Recorder", "eager", "in_backward", "kinds_of_stats"]
+__all__ = [
+    "CAST_OP",
+    "FirstNonfinite",
+    "Recorder",
+    "at_pass_end",
+    "eager",
+    "graph_task",
+    "in_backward",
+    "kinds_of_stats",
+]
 
 _KIND_COLS = ((4, "nan"), (5, "posinf"), (6, "neginf"))
 _CLEAN: frozenset[str] = frozenset()
@@ -64,7 +73,26 @@ _TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 
 def in_backward() -> bool:
     """True while autograd's engine runs a backward pass (a checkpoint's recomputed forward runs there)."""
-    return _TASK_ID is not None and _TASK_ID() != -1
+    return graph_task() != -1
+
+
+def graph_task() -> int:
+    """The id of the autograd graph task (one ``.backward()`` or ``torch.autograd.grad`` call) running on this
+    thread, -1 outside a backward pass."""
+    return _TASK_ID() if _TASK_ID is not None else -1
+
+
+def at_pass_end(fn: Callable[[], None]) -> bool:
+    """Have autograd's engine call ``fn`` when the running backward pass ends (after its last gradient, before
+    ``.backward()`` returns). False when that cannot be done (not inside a backward pass)."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is None or graph_task() == -1:
+        return False
+    try:
+        engine.queue_callback(fn)
+    except RuntimeError:
+        return False
+    return True
 
 
 def eager(fn: Callable[..., Any]) -> Callable[..., Any]:

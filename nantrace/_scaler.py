@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._hooks import eager
+from ._hooks import at_pass_end, eager, graph_task
 
 if TYPE_CHECKING:
     from ._recording import Recording
@@ -77,24 +77,14 @@ def param_hook(
     return eager(hook)
 
 
-_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
-
-
 def _norms_at_pass_end(pending: Any) -> bool:
-    """Queue, once per backward pass, :func:`_pass_norms` for when the pass ends (an autograd engine
-    callback): one fused reduction over the gradients hooked in the step instead of one per parameter. False
-    when it cannot be queued (the gradient's norm is then taken at once)."""
-    task = _TASK_ID() if _TASK_ID is not None else -1
-    if task < 0:
-        return False
-    if pending.norms_task == task:
+    """Queue, once per backward pass, :func:`_pass_norms` for when the pass ends (:func:`at_pass_end`): one
+    fused reduction over the gradients hooked in the step instead of one per parameter. False when it cannot be
+    queued (the gradient's norm is then taken at once)."""
+    task = graph_task()
+    if pending.norms_task == task != -1:
         return True
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    if engine is None:
-        return False
-    try:
-        engine.queue_callback(lambda: _pass_norms(pending))
-    except RuntimeError:  # not inside a backward pass
+    if not at_pass_end(lambda: _pass_norms(pending)):
         return False
     pending.norms_task = task
     return True

@@ -35,6 +35,7 @@ non-finite before the step (``stale_grads``) is reproduced when the replay's own
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 import warnings
@@ -49,7 +50,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _store
 from ._drill import issues_collectives, reset_call_site, set_call_site, user_line
-from ._hooks import eager, in_backward
+from ._hooks import at_pass_end, eager, graph_task, in_backward
 from ._naming import is_sharded
 from ._scaler import current_lr, nested_step
 from ._schema import PHASE_CODE, PHASES, RECORDED
@@ -721,37 +722,26 @@ class Watch:
 
 def _captured(w: Watch, micro: _Micro, index: int, path: str, grad: torch.Tensor) -> None:
     """A gradient that arrived at output ``path`` of micro-step ``index``: kept in its backward pass (one per
-    autograd graph task, in the order they came); a new pass also queues :func:`_grad_norms` for its end."""
-    task = _TASK_ID() if _TASK_ID is not None else 0
+    autograd graph task, in the order they came); a new pass also has :func:`_grad_norms` taken when it ends
+    (before the loop can clip the gradients), for ``steps.grad_norm`` and the gradient check."""
+    task = graph_task()
     p = w.passes.get(task)
     if p is None:
         p = w.passes[task] = _Pass(len(w.micro))
-        _at_backward_end(w)
+        at_pass_end(functools.partial(_take_end_norms, w))
     p.grads.append((index, path, grad))
     if micro.backward_after < 0:
         micro.backward_after = len(w.micro)
 
 
-_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def _at_backward_end(w: Watch) -> None:
-    """Take the gradients' norms when the running backward pass ends (before the loop can clip them), for
-    ``steps.grad_norm`` and the gradient check: autograd's engine runs the callback after the pass."""
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-
-    def done() -> None:
-        if w.live and not w.replaying and w.mode == "watch":
-            try:
-                w.end_norms = _grad_norms(w)
-            except (
-                Exception
-            ):  # never raise into the user's backward: the check takes them at optimizer.step()
-                w.end_norms = None
-
-    if engine is not None:
-        with contextlib.suppress(RuntimeError):  # not inside a backward (a hook called by hand)
-            engine.queue_callback(done)
+def _take_end_norms(w: Watch) -> None:
+    """At the end of a watched step's backward pass: :func:`_grad_norms` into ``w.end_norms`` (never raising
+    into the user's backward: the check then takes them at ``optimizer.step()``)."""
+    if w.live and not w.replaying and w.mode == "watch":
+        try:
+            w.end_norms = _grad_norms(w)
+        except Exception:
+            w.end_norms = None
 
 
 def _grad_norms(w: Watch) -> tuple[list[int], list[torch.Tensor], torch.Tensor]:
