@@ -45,19 +45,24 @@ def _is_plain(v: Any, depth: int = 0) -> bool:
     return False
 
 
+#: What ``nn.Module.__init__`` puts in every module's ``__dict__`` (the training flag, the tables of parameters,
+#: buffers, submodules and hooks): torch's own fields, never set back by :func:`restore_plain`.
+_MODULE_FIELDS = frozenset(vars(torch.nn.Module()))
+
+
 def plain_state(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
     """``{submodule name: {attribute: value}}`` of the plain Python attributes (numbers, strings, None, and
     small tuples/lists/sets/dicts of those) in each submodule's ``__dict__``, copied (:func:`_copied`): a call
-    counter, a flag,
-    a step count the forward reads. Parameters, buffers, submodules, hooks and torch's own fields are not
-    attributes here. What a forward depends on beyond its tensors, kept when the call starts so that a
-    reproducer saved later runs the call as it ran."""
+    counter, a flag, a step count the forward reads, private ones (``self._n``) included. Parameters, buffers,
+    submodules, hooks and the other fields ``nn.Module.__init__`` makes are not attributes here. What a forward
+    depends on beyond its tensors, kept when the call starts so that a reproducer saved later runs the call as
+    it ran."""
     out: dict[str, dict[str, Any]] = {}
     for name, m in module.named_modules():
         own = {
             k: _copied(v)
             for k, v in vars(m).items()
-            if not k.startswith("_") and k != "training" and _is_plain(v)
+            if k not in _MODULE_FIELDS and not k.startswith("__") and _is_plain(v)
         }
         if own:
             out[name] = own

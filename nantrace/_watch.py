@@ -793,6 +793,8 @@ def _recorded_as(
     than what the sentinel saw, did not reproduce the fault. A replayed -inf the mask rule judged a mask drops
     the step's note."""
     note = sentinel.get(str(step))
+    if recorded == "replay" and note is not None and note.get("replay_failed"):
+        return "not_reproduced"  # what it recorded before it raised is not the step
     if recorded == "replay" and note is not None and _changed(note) and cols["n_nonfinite"][-1] > 0:
         note["replay_unused"] = True  # a replay on other inputs or weights computes something else
         return "not_reproduced"

@@ -3,6 +3,7 @@ gradient norm the backward left, a replay that raises, and a loss given to ``tr.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -263,3 +264,79 @@ def test_a_used_or_nested_watch_is_refused_in_its_own_words() -> None:
     with pytest.raises(nantrace.NantraceError) as again, tr:
         pass
     assert str(again.value) == "this Trace has already been used; create a new one with nantrace.watch(model)"
+
+
+class _PrivateCounter(nn.Module):
+    """Counts its calls in a private attribute and doubles its output on even calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self._n = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._n += 1
+        y = torch.relu(self.fc(x))  # a ReLU's zeros: the drill-down replays the call under trace
+        return y * 2 if self._n % 2 == 0 else y
+
+
+def _counted(mode: str) -> tuple[list[float], int, list[str] | None]:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), _PrivateCounter(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # backs off at once: a replayed step under watch
+    ctx: Any = {
+        "plain": contextlib.nullcontext(),
+        "trace": nantrace.trace(m, optimizer=opt, scaler=scaler),
+        "watch": nantrace.watch(m, optimizer=opt, scaler=scaler, every=None),
+    }[mode]
+    losses = []
+    with ctx as tr:
+        for _ in range(4):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(torch.randn(4, 8)).float().sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(float(loss))
+    return losses, m[1]._n, None if tr is None else tr.steps["recorded"].tolist()
+
+
+def test_replays_set_private_plain_attributes_back_so_the_users_numbers_stay_the_same() -> None:
+    plain, traced, watched = _counted("plain"), _counted("trace"), _counted("watch")
+    assert traced[:2] == plain[:2] and watched[:2] == plain[:2]  # same losses, the counter at 4
+    assert plain[1] == 4
+    # each step backs off, so watch replays it: the replay reads the counter the real forward left, computes
+    # the other parity and says so, and sets the counter back
+    assert watched[2] == ["not_reproduced"] * 4
+
+
+def test_a_replay_that_raises_after_recording_a_non_finite_value_is_still_not_reproduced() -> None:
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    seen: set[int] = set()
+    step = [0]
+
+    def once(mod: nn.Module, args: Any, out: Any) -> None:
+        if step[0] in seen:
+            raise RuntimeError("hook ran twice in one step")
+        seen.add(step[0])
+
+    m[0].register_forward_hook(once)
+    with warnings.catch_warnings(), _watch(m, optimizer=opt) as tr:
+        warnings.simplefilter("ignore")
+        for s in range(2):
+            step[0] = s
+            if s == 1:
+                with torch.no_grad():
+                    m[0].weight[0, 0] = float("inf")
+            loss = m(torch.randn(2, 4)).sum()
+            loss.backward()
+            tr.step(loss=loss)
+            opt.step()
+            opt.zero_grad()
+    assert tr.steps["recorded"].tolist() == ["watch", "not_reproduced"]
+    assert "but replaying the step raised RuntimeError: hook ran twice in one step" in str(
+        tr.first_overflow()
+    )
