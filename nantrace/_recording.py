@@ -97,7 +97,9 @@ def _got(obj: Any, base: type) -> str:
 
 def _check_objects(model: Any, scaler: Any, optimizer: Any) -> None:
     if not isinstance(model, nn.Module):
-        got = _got(model, nn.Module) if isinstance(model, type) else f"{type(model).__name__}: {model!r:.80}"
+        shown = repr(model)
+        said = f": {shown}" if len(shown) <= 80 and "\n" not in shown else ""  # no repr cut off mid-word
+        got = _got(model, nn.Module) if isinstance(model, type) else f"{type(model).__name__}{said}"
         raise TypeError(
             f"model must be a torch.nn.Module; got {got}. Pass the model object your loop calls (e.g. model = Net())."
         )

@@ -39,6 +39,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ._fmt import steps_text
 from ._masks import unmasked
 
 if TYPE_CHECKING:
@@ -1250,14 +1251,13 @@ def _records_at(selected: pd.DataFrame, step: int, phase: object, why: str = "")
     """The rows of ``selected`` (records in ``phase``) at ``step``; ``why`` says how it was chosen.
 
     Raises:
-        ValueError: there are none; the message gives the range of steps present.
+        ValueError: there are none; the message lists the steps present.
     """
     at_step = selected[selected["step"] == step]
     if at_step.empty:
-        present = selected["step"]
         raise ValueError(
             f"step={step!r}{why} has no records in {_phase_label(phase)}; steps present: "
-            f"{int(present.min())}..{int(present.max())}; pass another step or phase"
+            f"{steps_text(sorted({int(s) for s in selected['step'].unique()}))}; pass another step or phase"
         )
     return at_step
 

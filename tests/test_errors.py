@@ -99,6 +99,17 @@ def test_a_class_passed_for_an_instance_is_named_as_such() -> None:
     )
 
 
+def test_a_long_repr_of_a_wrong_model_is_left_out_rather_than_cut_off() -> None:
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)  # a multi-line repr
+    msg = check(TypeError, lambda: trace(opt), names="model")  # type: ignore[arg-type]
+    assert msg == (
+        "model must be a torch.nn.Module; got SGD. Pass the model object your loop calls (e.g. model = Net())."
+    )
+    msg = check(TypeError, lambda: trace("gpt2"), names="model")  # type: ignore[arg-type]
+    assert msg.startswith("model must be a torch.nn.Module; got str: 'gpt2'. ")
+
+
 @pytest.mark.parametrize("make", [trace, nantrace.watch], ids=["trace", "watch"])
 def test_every_of_a_wrong_type_is_a_type_error_and_below_one_a_value_error(make: Any) -> None:
     m = model()

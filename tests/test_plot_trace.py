@@ -275,7 +275,7 @@ def test_the_first_overflow_step_must_have_records_in_the_phase(masked: Any) -> 
     with pytest.raises(ValueError) as info:
         plot.ranges(fake)
     assert str(info.value) == (
-        "step=9 (the first overflow's step) has no records in phase forward; steps present: 0..3; "
+        "step=9 (the first overflow's step) has no records in phase forward; steps present: 0–3; "
         "pass another step or phase"
     )
 
@@ -355,3 +355,13 @@ def test_plot_never_imports_the_trace_facade() -> None:
             imported.extend(a.name for a in node.names)
     assert imported, "no imports found: the check would pass vacuously"
     assert [name for name in imported if "_trace" in name or name.endswith(".Trace")] == []
+
+
+def test_a_step_missing_from_a_trace_with_gaps_lists_the_steps_it_has(masked: Any) -> None:
+    records = masked.records[masked.records["step"].isin([0, 2, 3])]
+    with pytest.raises(ValueError) as info:
+        plot.ranges(FakeTrace(records, masked.steps, None), step=1)
+    assert (
+        str(info.value)
+        == "step=1 has no records in phase forward; steps present: 0, 2, 3; pass another step or phase"
+    )
