@@ -120,8 +120,15 @@ def bf16_advice() -> str:
 
 
 def data(run: Facts, ev: Overflow) -> Diagnosis:
-    rows = run.rows_of(ev.step, "data", prefix=ev.tensor)
-    rows = rows[rows["micro_step"].to_numpy() == ev.micro_step]
+    """A model input that held the value (``phase == "data"``), or an input the loop handed to a submodule it
+    called itself (:func:`nantrace._evidence.handed_in`): made outside the model either way."""
+    handed = ev.phase == "forward"
+    if handed:
+        rows = run.rows_of(ev.step, "forward", module=ev.module, prefix=ev.tensor)
+        rows = rows[rows["call"].to_numpy() == ev.call]
+    else:
+        rows = run.rows_of(ev.step, "data", prefix=ev.tensor)
+    rows = rows[(rows["micro_step"].to_numpy() == ev.micro_step) & (rows["tensor"].astype(str) == ev.tensor)]
     counts = {k: int(rows[f"n_{k}"].sum()) for k in ("nan", "posinf", "neginf")} if len(rows) else {}
     what = ", ".join(
         f"{n} {k.replace('posinf', '+inf').replace('neginf', '-inf')}" for k, n in counts.items() if n
@@ -130,12 +137,18 @@ def data(run: Facts, ev: Overflow) -> Diagnosis:
     arg = rows["arg"].iloc[0] if len(rows) else None
     argname = f" (argument `{arg}`)" if isinstance(arg, str) and arg else ""
     where = step_words(ev)
-    evidence = [
-        f"model input `{ev.tensor}`{argname}, shape {shape}, dtype {ev.dtype}, held {what or 'non-finite values'} "
-        f"at {where}, before any module ran",
-        f"finite part of that input: absmax {num(finite_absmax(rows))}",
-    ]
-    which = samples_words(run.view, ev.rank, ev.step, ev.micro_step, ev.tensor)
+    held = f"held {what or 'non-finite values'} at {where}"
+    if handed:
+        name = module_label(ev.module)
+        said = (
+            f"input `{ev.tensor}`{argname} of {name}, shape {shape}, dtype {ev.dtype}, {held} when the call "
+            f"began; the loop called {name} itself, not inside a call of the model, so the value was made "
+            "outside the model (the data, or the loop's own code before the call)"
+        )
+    else:
+        said = f"model input `{ev.tensor}`{argname}, shape {shape}, dtype {ev.dtype}, {held}, before any module ran"
+    evidence = [said, f"finite part of that input: absmax {num(finite_absmax(rows))}"]
+    which = "" if handed else samples_words(run.view, ev.rank, ev.step, ev.micro_step, ev.tensor)
     if which:
         evidence.append(f"the values that were not finite are in {which}")
     later = [e.step for e in run.events if e.phase == "data"]
@@ -144,10 +157,11 @@ def data(run: Facts, ev: Overflow) -> Diagnosis:
     skips = skips_text(run)
     if skips:
         evidence.append(skips)
+    loop = f" and the loop's code before it calls {module_label(ev.module)}" if handed else ""
     advice = [
         f"Check the data loader for the batch of {where} (input `{ev.tensor}`"
         + (f", {which}" if which else "")
-        + "): look for log(0), division by zero, a corrupt sample or a missing value; e.g. "
+        + f"){loop}: look for log(0), division by zero, a corrupt sample or a missing value; e.g. "
         "`assert torch.isfinite(x).all()` in the loader.",
     ]
     if counts.get("neginf"):
@@ -158,7 +172,15 @@ def data(run: Facts, ev: Overflow) -> Diagnosis:
         )
     if counts.get("nan"):
         advice.append("Replace missing values before the model (`torch.nan_to_num(x)` or drop the sample).")
-    summary = f"The model input `{ev.tensor}` was already non-finite at {where}: a data fault, not the model."
+    if handed:
+        summary = (
+            f"`{ev.tensor}` of {module_label(ev.module)}, which the loop called itself, was already non-finite "
+            f"at {where}: made outside the model, not by a module."
+        )
+    else:
+        summary = (
+            f"The model input `{ev.tensor}` was already non-finite at {where}: a data fault, not the model."
+        )
     return Diagnosis("data", ev, evidence, advice, summary)
 
 

@@ -122,8 +122,8 @@ from dataclasses import dataclass, replace
 from . import _causes as c
 from . import _scale_causes as sc
 from ._diagnosis import COLLAPSE_RUN, QUIET_DIVERGENCE_GROWTH, QUIET_DIVERGENCE_LOSS_GROWTH, Diagnosis
-from ._evidence import NORMALISED_STEP_BOUND, WEIGHTS_HELD, headline, op_evidence
-from ._explain import first_overflow, overflows
+from ._evidence import NORMALISED_STEP_BOUND, WEIGHTS_HELD, handed_in, headline, op_evidence
+from ._explain import explained, first_overflow, overflows
 from ._facts import DivergenceFacts, Facts, divergence, fast_updates, overflow_from_row
 from ._fmt import num, steps_text
 from ._overflow import Overflow
@@ -231,7 +231,7 @@ def _forward_overflow(run: Facts, ev: Overflow) -> bool:
 
 # The causes of an event that is not scale-dependent, in the order they are tried: the first that applies wins.
 FAULT_RULES: tuple[Rule, ...] = (
-    Rule("data", lambda run, ev: ev.phase == "data", c.data),
+    Rule("data", lambda run, ev: ev.phase == "data" or handed_in(run.view, ev), c.data),
     Rule("divergence", _diverging, _divergence),
     Rule("loss", lambda run, ev: ev.phase == "loss", c.loss),
     Rule("data", lambda run, ev: ev.phase == "forward" and c.leaked_masks(run, ev) is not None, _mask_leak),
@@ -385,15 +385,20 @@ def with_event_facts(view: RunView, d: Diagnosis) -> Diagnosis:
     """``d`` with the op class and headline of its event, from the evidence engine (the same facts
     ``str(Overflow)`` is written from)."""
     ov = d.overflow
-    if ov is None or d.headline:
+    if ov is None:
         return d
     local = view.rank_view(ov.rank) if len(view.meta.ranks) > 1 else view
+    if not ov.message:  # an event of the rules' producers: its explanation, for this one only
+        ov = explained(view, ov)
+        d = replace(d, overflow=ov)
+    if d.headline:
+        return d
     oe = op_evidence(local, ov)
     return replace(
         d,
         overflow=replace(ov, op_class=None if oe is None else oe.op_class),
         op_class=None if oe is None else oe.op_class,
-        headline=headline(ov, oe),
+        headline=headline(ov, oe, handed=handed_in(local, ov)),
     )
 
 
@@ -534,7 +539,7 @@ def diagnose_merged(view: RunView) -> Diagnosis:
     received values the reduction itself made, and which rank produced the others."""
     ov = first_overflow(view)
     rank = ov.rank if ov is not None else min(view.meta.ranks)
-    merged = [overflow_from_row(r) for r in overflows(view).to_dict("records")]
+    merged = [overflow_from_row(r) for r in overflows(view, messages=False).to_dict("records")]
     d = _diagnose(view.rank_view(rank), merged)
     evidence = [f"rank {rank} of {view.meta.world_size}: the diagnosis reads this rank's trace", *d.evidence]
     overflow = replace(d.overflow, rank=rank) if d.overflow is not None else None

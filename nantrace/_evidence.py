@@ -502,6 +502,25 @@ def call_input_rows(view: RunView, ov: Overflow) -> pd.DataFrame:
     )  # a finfo.min mask: no value the call computed from
 
 
+def handed_in(view: RunView, ov: Overflow) -> bool:
+    """The event is a value first seen at an input of a module call that no recorded call enclosed: the loop
+    called a submodule itself (not inside a call of the model) and handed it the value, so it was made outside
+    the model (the data, or the loop's own code between module calls), not by a module's forward."""
+    if ov.phase != "forward" or not ov.tensor.startswith("input") or ov.module == "":
+        return False
+    r = _rank_rows(view.records, ov, _many(view))
+    m = (
+        (r["step"].to_numpy() == ov.step)
+        & (r["micro_step"].to_numpy() == ov.micro_step)
+        & (r["phase"].astype(str).to_numpy() == "forward")
+        & (r["module"].astype(str).to_numpy() == ov.module)
+        & (r["call"].to_numpy() == ov.call)
+        & (r["tensor"].astype(str).to_numpy() == ov.tensor)
+    )
+    rows = r[m]
+    return bool(len(rows)) and bool(pd.isna(rows["parent"]).all())
+
+
 def call_arity(view: RunView, ov: Overflow) -> tuple[int, list[str]]:
     """How the event's module call was called, as recorded: the number of positional tensor inputs (highest
     ``input[i]`` + 1) and the names of keyword tensor inputs (``input.<name>``), in order."""
@@ -1210,7 +1229,7 @@ def _op_dtype(op: str, ops: tuple[Operand, ...], event_dtype: str, result_dtype:
 def op_evidence(view: RunView, ov: Overflow) -> OpEvidence | None:
     """The facts and class of the op that produced ``ov`` (a ``forward`` or ``backward`` event); None for the
     other phases (no op of the model made the value)."""
-    if ov.phase not in ("forward", "backward"):
+    if ov.phase not in ("forward", "backward") or handed_in(view, ov):
         return None
     dtype = str(ov.dtype) if ov.phase == "forward" else backward_dtype(view, ov)
     row = _op_row(view, ov) if ov.phase == "forward" else None
@@ -1243,9 +1262,9 @@ _VERBS = {
 _DOMAIN_VERB = "went outside its domain: {what} gave {kind} ({dtype})"
 
 
-def headline(ov: Overflow, ev: OpEvidence | None, limit: int = 160) -> str:
+def headline(ov: Overflow, ev: OpEvidence | None, limit: int = 160, handed: bool = False) -> str:
     """One line of at most ``limit`` characters: who, what, where ("step 28 forward: `blocks.1.attn.scores`
-    (matmul) overflowed float16 (+inf)")."""
+    (matmul) overflowed float16 (+inf)"). ``handed``: the value was handed in by the loop (:func:`handed_in`)."""
     where = f"step {ov.step}" + (f", micro-step {ov.micro_step}" if ov.micro_step else "") + f" {ov.phase}"
     if ev is None:
         words = "NaN" if ov.kind == "nan" else "inf"
@@ -1256,6 +1275,8 @@ def headline(ov: Overflow, ev: OpEvidence | None, limit: int = 160) -> str:
             line = f"{where}: {which} (`{ov.tensor}`) was {words} ({ov.dtype})"
         elif ov.phase == "optimizer":
             line = f"{where}: optimizer.step() made `{ov.tensor}` of {module_label(ov.module)} {words} ({ov.dtype})"
+        elif handed:
+            line = f"{where}: `{ov.tensor}` the loop handed to {module_label(ov.module)} held {words} ({ov.dtype})"
         else:
             line = f"{where}: {module_label(ov.module)} `{ov.tensor}` held {words} ({ov.dtype})"
         return _fit(line, limit)

@@ -7,6 +7,7 @@ same event the same message.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -21,6 +22,7 @@ from ._evidence import (
     WEIGHTS_HELD,
     OpEvidence,
     class_advice,
+    handed_in,
     headline,
     loss_advice,
     mean_over_nothing,
@@ -41,7 +43,14 @@ from ._repro import captured_call
 from ._schema import KIND_WORDS, OVERFLOW_COLUMNS, dtype_max, is_wide, wanted_kinds
 from ._view import RunView
 
-__all__ = ["changed_outside", "first_overflow", "overflows", "samples_words", "weights_words"]
+__all__ = [
+    "changed_outside",
+    "explained",
+    "first_overflow",
+    "overflows",
+    "samples_words",
+    "weights_words",
+]
 
 
 def weights_words(
@@ -113,6 +122,19 @@ def _data(view: RunView, ev: Event) -> str:
         f"At {where} the model input `{f['tensor']}` already held {n} {KIND_WORDS[ev.raw_kind]} value(s) "
         f"before any module ran: a data fault, not the model. Check the data loader for this batch ({where}); "
         f"{look}."
+    )
+
+
+def _handed(view: RunView, ev: Event) -> str:
+    """For a value the loop handed to a submodule it called itself (:func:`handed_in`)."""
+    n = int(ev.row[f"n_{ev.raw_kind}"])
+    f = ev.fields
+    where, name = _where(ev), module_label(str(f["module"]))
+    return (
+        f"At {where} the loop called {name} itself, not inside a call of the model, and its `{f['tensor']}` "
+        f"already held {n} {KIND_WORDS[ev.raw_kind]} value(s) when the call began: the value was made outside the "
+        f"model (the data, or the loop's own code before this call), not by a module. Check the batch of {where} "
+        "and what the loop computes before it calls this module."
     )
 
 
@@ -578,7 +600,11 @@ def _explain_event(view: RunView, ev: Event) -> str:
     if phase == "data":
         return head + _data(view, ev)
     if phase == "forward":
-        return _forward(view if len(view.meta.ranks) == 1 else view.rank_view(ev.rank), ev)
+        local = view if len(view.meta.ranks) == 1 else view.rank_view(ev.rank)
+        ov = Overflow(**ev.fields)
+        if handed_in(local, ov):
+            return headline(ov, None, handed=True) + "\n" + _handed(view, ev)
+        return _forward(local, ev)
     if phase == "loss":
         return head + _loss(ev)
     if phase == "backward":
@@ -731,8 +757,15 @@ def _line(text: str) -> str:
     return "\n" + text.strip() if text.strip() else ""
 
 
-def _overflow(view: RunView, found: Finding, per_rank: bool) -> Overflow:
+def _overflow(view: RunView, found: Finding, per_rank: bool, messages: bool = True) -> Overflow:
     ev = found.event
+    if not messages:  # the locator's fields only (what the rules of the diagnosis and the report's runs read)
+        return Overflow(
+            **ev.fields,
+            rank=ev.rank,
+            propagated=ev.received and found.how != "reduction",
+            _captured=view.capture,
+        )
     local = view if len(view.meta.ranks) == 1 else view.rank_view(ev.rank)
     oe = op_evidence(local, Overflow(**ev.fields, rank=ev.rank))
     return Overflow(
@@ -756,6 +789,25 @@ def first_overflow(view: RunView, kind: str | None = None) -> Overflow | None:
     return _overflow(view, found[0], False) if found else None
 
 
+def explained(view: RunView, ov: Overflow) -> Overflow:
+    """``ov``, an event of ``overflows(view, messages=False)`` (or of one rank's view of a merged ``view``),
+    with the message and op class :func:`overflows` gives it: the locator again over its step's rows only, in
+    ``view`` and then in the rank's own view, and the explanation of the finding that is ``ov``. ``ov``
+    unchanged when it has a message already or no finding of its step is it."""
+    if ov.message:
+        return ov
+    views = [view] if len(view.meta.ranks) == 1 else [view, view.rank_view(ov.rank)]
+    same = (*OVERFLOW_COLUMNS[:8], "rank", "propagated")
+    for v in views:
+        r = v.records
+        step_rows = r[r["step"].to_numpy() == ov.step]
+        for f in find(step_rows, wanted_kinds(None), v.ops, world_size=v.meta.world_size, first_only=False):
+            full = _overflow(v, f, False)
+            if all(getattr(full, k) == getattr(ov, k) for k in same):
+                return dataclasses.replace(ov, message=full.message, op_class=full.op_class)
+    return ov
+
+
 def first_after(view: RunView, step: int, micro_step: int) -> Overflow | None:
     """The first producer of ``step`` in its micro-steps after ``micro_step`` (the locator over those rows
     only), or None; on one rank's trace only (None for a merged one). Under gradient accumulation a step's
@@ -770,10 +822,14 @@ def first_after(view: RunView, step: int, micro_step: int) -> Overflow | None:
     return _overflow(view, found[0], False) if found else None
 
 
-def overflows(view: RunView, kind: str | None = None, *, per_rank: bool = False) -> pd.DataFrame:
+def overflows(
+    view: RunView, kind: str | None = None, *, per_rank: bool = False, messages: bool = True
+) -> pd.DataFrame:
     """One row per step that saw a non-finite value: that step's first producer (columns of :class:`Overflow`
     plus ``message``). ``per_rank=True``: one row per (step, rank) instead, each rank's own first non-finite
-    value (``propagated`` where the rank only received it through the gradient reduction).
+    value (``propagated`` where the rank only received it through the gradient reduction). ``messages=False``:
+    the producers only, ``message`` empty (an explanation reads the run's history for each step: about 0.1 s
+    per step on 2 CPU cores).
 
     Raises:
         ValueError: ``kind`` is not None, ``"inf"`` or ``"nan"``.
@@ -786,7 +842,7 @@ def overflows(view: RunView, kind: str | None = None, *, per_rank: bool = False)
         first_only=False,
         per_rank=per_rank,
     )
-    rows = [_overflow(view, f, per_rank) for f in found]
+    rows = [_overflow(view, f, per_rank, messages) for f in found]
     cols = [*OVERFLOW_COLUMNS, "message"]
     df = pd.DataFrame([{**o.to_dict(), "message": o.message} for o in rows], columns=cols)
     if len(df):

@@ -69,7 +69,10 @@ class Facts:
         self.options: dict[str, Any] = dict(view.meta.options)
         # the live model's handle (None when loaded or gone): only weights_beyond_of reads it
         self.model = view.model
-        self.events: list[Overflow] = [overflow_from_row(r) for r in overflows(view).to_dict("records")]
+        # the producers only: a rule reads their fields; the diagnosis's own event gets its message at the end
+        self.events: list[Overflow] = [
+            overflow_from_row(r) for r in overflows(view, messages=False).to_dict("records")
+        ]
         r = self.records
         self.phase = r["phase"].astype(str).to_numpy()
         self.module = r["module"].astype(str).to_numpy()

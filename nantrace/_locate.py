@@ -336,9 +336,15 @@ def _rank_of(df: pd.DataFrame | None, rank: int, multi: bool) -> pd.DataFrame | 
 
 
 def rank_events(
-    records: pd.DataFrame, wanted: tuple[str, ...], ops: pd.DataFrame | None = None
+    records: pd.DataFrame,
+    wanted: tuple[str, ...],
+    ops: pd.DataFrame | None = None,
+    *,
+    first_only: bool = False,
 ) -> dict[int, list[Event]]:
-    """Per step: every rank's first producer (local rows), or its first received value (reduced rows only)."""
+    """Per step: every rank's first producer (local rows), or its first received value (reduced rows only).
+    Steps are read in order, each from its own rows (one grouping of the records, not a scan per step);
+    ``first_only`` stops after the first step with an event."""
     out: dict[int, list[Event]] = {}
     if not len(records):
         return out
@@ -348,23 +354,50 @@ def rank_events(
         records = records.assign(rank=0)
     ranks = sorted(int(r) for r in pd.unique(records["rank"]))
     multi = len(ranks) > 1
+    per_rank = []
     for r in ranks:
         rec_r = records[records["rank"].to_numpy() == r] if multi else records
         ops_r = _rank_of(ops, r, "rank" in (ops.columns if ops is not None else ()))
-        for step in _candidates(rec_r, wanted, ops_r):
-            ev = _step_event(rec_r, step, wanted, ops_r, r)
-            if ev is not None:
-                out.setdefault(step, []).append(ev)
+        steps = set(_candidates(rec_r, wanted, ops_r))
+        op_rows = _step_rows(ops_r, steps) if ops_r is not None and len(ops_r) else None
+        per_rank.append((r, rec_r, ops_r, _step_rows(rec_r, steps), op_rows))
+    for step in sorted({s for *_, rows, _ in per_rank for s in rows}):
+        for r, rec_r, ops_r, rows, op_rows in per_rank:
+            if step in rows:
+                step_ops = None
+                if ops_r is not None and op_rows is not None:
+                    step_ops = ops_r.iloc[op_rows.get(step, _NO_ROWS)]
+                ev = _step_event(rec_r.iloc[rows[step]], step, wanted, step_ops, r)
+                if ev is not None:
+                    out.setdefault(step, []).append(ev)
+        if first_only and step in out:
+            break
     return out
 
 
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
+def _step_rows(records: pd.DataFrame, steps: set[int]) -> dict[int, np.ndarray]:
+    """Positions of the rows of each of ``steps`` in ``records``, in their order (one stable sort)."""
+    at = records["step"].to_numpy()
+    order = np.argsort(at, kind="stable")
+    uniq, starts = np.unique(at[order], return_index=True)
+    ends = [*starts[1:].tolist(), len(order)]
+    return {
+        int(u): order[a:b]
+        for u, a, b in zip(uniq.tolist(), starts.tolist(), ends, strict=True)
+        if int(u) in steps
+    }
+
+
 def _step_event(
-    rec_r: pd.DataFrame, step: int, wanted: tuple[str, ...], ops_r: pd.DataFrame | None, rank: int
+    step_all: pd.DataFrame, step: int, wanted: tuple[str, ...], step_ops: pd.DataFrame | None, rank: int
 ) -> Event | None:
-    step_all = rec_r[rec_r["step"].to_numpy() == step]
+    """The event of one rank's ``step``, from that step's rows (``step_all``) and drill-down ops (``step_ops``;
+    None when the rank's trace has none), or None."""
     reduced = step_all["reduced"].to_numpy(dtype=bool)
     step_local = step_all[~reduced]
-    step_ops = ops_r[ops_r["step"] == step] if ops_r is not None and len(ops_r) else None
     hit = first_in_step(step_local, wanted, step_ops) if len(step_local) else None
     red_hit = first_in_step(step_all[reduced], wanted) if reduced.any() else None
     received = False
@@ -481,7 +514,7 @@ def find(
 
     ``per_rank=False``: for each step, the first producer across ranks; ``per_rank=True``: for each step,
     every rank's own first non-finite value (``received`` where the rank only received it)."""
-    events = rank_events(records, wanted, ops)
+    events = rank_events(records, wanted, ops, first_only=first_only)
     ranks = sorted(int(r) for r in pd.unique(records["rank"])) if len(records) and "rank" in records else [0]
     complete = len(ranks) == world_size if world_size is not None else len(ranks) > 1
     n = len(ranks)

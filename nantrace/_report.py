@@ -215,7 +215,7 @@ def print_report(tr: Any, path: Path | None, file: TextIO | None = None) -> Any:
             file=out,
         )
         print(textwrap.indent(str(ov), "  "), file=out)  # every line of the explanation under the heading
-        ovs = tr.overflows()
+        ovs = tr.overflows(messages=False)  # the runs of producers only: no explanation of every step
         if len(ovs) > 1:
             print(f"\nsteps with a non-finite value ({len(ovs)}), by first producer:", file=out)
             print("\n".join(overflow_runs(ovs)), file=out)

@@ -258,23 +258,27 @@ class Trace:
         """
         return _watched.first_overflow(self._view(), kind)
 
-    def overflows(self, kind: str | None = None, *, per_rank: bool = False) -> pd.DataFrame:
+    def overflows(
+        self, kind: str | None = None, *, per_rank: bool = False, messages: bool = True
+    ) -> pd.DataFrame:
         """One row per step that saw a non-finite value, with that step's first producer (``Overflow`` fields
         plus ``message``). Scaler backoffs show as a few isolated steps; a persistent fault as a run of them.
 
         Under torch.distributed the producer is the cross-rank one (ordering rule in ``nantrace._locate``);
         ``per_rank=True`` gives one row per (step, rank) instead: each rank's own first non-finite value, with
         ``propagated=True`` where that rank only received it through the gradient reduction.
+        ``messages=False`` leaves ``message`` empty: every step's explanation reads the
+        run's history (about 0.1-0.2 s a step on 2 CPU cores), so for a long run whose every later step holds
+        NaN, the producers alone come back in seconds instead of minutes.
 
         Raises:
             ValueError: ``kind`` is not None, ``"inf"`` or ``"nan"``.
-            TypeError: ``per_rank`` is not a bool.
+            TypeError: ``per_rank`` or ``messages`` is not a bool.
         """
-        if not isinstance(per_rank, bool):
-            raise TypeError(
-                f"per_rank must be True or False; got {type(per_rank).__name__}: {per_rank!r:.80}"
-            )
-        return _watched.overflows(self._view(), kind, per_rank=per_rank)
+        for name, v in (("per_rank", per_rank), ("messages", messages)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{name} must be True or False; got {type(v).__name__}: {v!r:.80}")
+        return _watched.overflows(self._view(), kind, per_rank=per_rank, messages=messages)
 
     def diagnose(self) -> Diagnosis:
         """Why the run went non-finite, and what to do: a :class:`nantrace.Diagnosis` whose ``cause`` is one of

@@ -355,6 +355,7 @@ class Watch:
         self.param_set: _Params | None = None  # see _params
         self.autocast_devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
         self.sentinel: dict[str, dict[str, Any]] = {}  # step -> what the sentinel saw (steps it flagged)
+        self.warned_no_forward = False
         recording.options["watch"] = {"every": every, "sentinel": self.sentinel}
         recording.add_step_observer(self._on_step_closed)
 
@@ -516,6 +517,9 @@ class Watch:
         ``finish()`` with the recording on, which closes the step and writes its row."""
         r = self.r
         rec = r.rec
+        if not self.micro and not self.warned_no_forward:
+            self.warned_no_forward = True
+            _warn_no_forward(rec.step, r.root)
         if not self.checked:
             self._check(None, scaled=r.scaler is not None)
         if self.param_flag is not None:
@@ -697,7 +701,9 @@ class Watch:
         changed (see the module docstring)."""
         r = self.r
         self.recorded = "replay"
-        if not self.micro:
+        if not self.micro:  # the loop did not call the watched model this step: nothing to replay
+            self.sentinel[str(r.rec.step)]["no_forward"] = True
+            self.recorded = "not_replayed"
             return
         now = [
             tuple(
@@ -718,6 +724,17 @@ class Watch:
             self.recorded = "not_replayed"
             return
         _replay_step(self, note)
+
+
+def _warn_no_forward(step: int, root: nn.Module) -> None:
+    """Once per run: a watched step closed without a call of the watched model (the loop calls submodules)."""
+    warnings.warn(
+        f"nantrace.watch: step {step} ended without a call of the model it watches ({type(root).__name__}): the "
+        "sentinel checks that model's inputs and outputs, so a loop that calls its submodules itself is seen only "
+        "through its gradients and parameters, and a step that goes non-finite cannot be replayed. Pass watch() "
+        "the module the loop calls, or use nantrace.trace()",
+        stacklevel=5,
+    )
 
 
 def _captured(w: Watch, micro: _Micro, index: int, path: str, grad: torch.Tensor) -> None:

@@ -60,6 +60,11 @@ def _notes(view: RunView) -> dict[str, dict[str, Any]]:
 
 def _replay_advice(note: dict[str, Any]) -> str:
     """What would let watch's replay reproduce the step, from what its note says made it differ."""
+    if note.get("no_forward"):
+        return (
+            "Pass nantrace.watch() the module the loop calls (or call the watched model), or trace the step "
+            "with nantrace.trace(): watch replays only calls of the model it watches."
+        )
     if note.get("recorded") == "not_replayed":
         return (
             "Trace the step on every rank (nantrace.trace()): watch does not replay a model holding FSDP or DDP "
@@ -87,7 +92,9 @@ def _written_what(note: dict[str, Any]) -> str:
     )
 
 
-def overflows(view: RunView, kind: str | None = None, *, per_rank: bool = False) -> pd.DataFrame:
+def overflows(
+    view: RunView, kind: str | None = None, *, per_rank: bool = False, messages: bool = True
+) -> pd.DataFrame:
     """:func:`nantrace._explain.overflows`, with the row of each step whose replay did not reproduce the fault
     replaced by what the sentinel saw there (:func:`unreproduced`): the replay's rows of such a step are not
     its producer.
@@ -95,7 +102,7 @@ def overflows(view: RunView, kind: str | None = None, *, per_rank: bool = False)
     Raises:
         ValueError: ``kind`` is not None, ``"inf"`` or ``"nan"``.
     """
-    df = _explain.overflows(view, kind, per_rank=per_rank)
+    df = _explain.overflows(view, kind, per_rank=per_rank, messages=messages)
     missed = unreproduced(view, kind)
     if not missed:
         return df
@@ -134,7 +141,13 @@ def unreproduced(view: RunView, kind: str | None = None) -> list[Overflow]:
             f"nantrace.watch saw {k} at step {note['step']} (micro-step {note['micro_step']}, {note['phase']}: "
             f"{note['tensor']} of {where})"
         )
-        if note.get("recorded") == "not_replayed":
+        if note.get("no_forward"):
+            message = (
+                f"{saw}, but did not replay the step: the loop did not call the watched model in it (it called "
+                "submodules itself), so there was no forward to replay and its producer is unknown: this is "
+                "where the sentinel detected it. Trace that step with nantrace.trace() to name the producer."
+            )
+        elif note.get("recorded") == "not_replayed":
             message = (
                 f"{saw}, but did not replay the step: the model holds FSDP or DDP modules, whose forward and "
                 "backward issue collectives that the other ranks would never join, so its producer is unknown: "
@@ -239,6 +252,12 @@ def diagnose(view: RunView) -> Diagnosis:
     first = result.overflow
     if missed and (first is None or missed[0].step <= first.step):
         ov = missed[0]
+        note = _notes(view).get(str(ov.step), {})
+        how = (
+            "watch did not replay it"
+            if note.get("recorded") == "not_replayed"
+            else "its replay did not reproduce it"
+        )
         return Diagnosis(
             # the cause its phase and kind name (NaN in forward or backward is no overflow): nothing more is known
             cause="invalid_op"
@@ -248,9 +267,9 @@ def diagnose(view: RunView) -> Diagnosis:
             evidence=[str(ov)],
             advice=[
                 f"Re-run with nantrace.trace(..., every=1) around step {ov.step} to name the producer.",
-                _replay_advice(_notes(view).get(str(ov.step), {})),
+                _replay_advice(note),
             ],
-            summary=f"Step {ov.step} went non-finite ({ov.phase}), but its replay did not reproduce it.",
+            summary=f"Step {ov.step} went non-finite ({ov.phase}), but {how}.",
         )
     if first is not None:
         ov = _replayed(view, first)

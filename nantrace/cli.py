@@ -541,7 +541,7 @@ def _demo(args: argparse.Namespace) -> int:
             f"locator: first non-finite value at step {ov.step}, {ov.phase}, module `{ov.module}` ({ov.module_type}):"
         )
         print(textwrap.indent(str(ov), "  "))  # the headline line, then evidence and advice lines
-        ovs = tr.overflows()
+        ovs = tr.overflows(messages=False)
         print(f"\nsteps with a non-finite value ({len(ovs)}), by first producer:")
         print("\n".join(overflow_runs(ovs)))
     diagnosis = tr.diagnose()
