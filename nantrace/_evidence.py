@@ -518,7 +518,10 @@ def handed_in(view: RunView, ov: Overflow) -> bool:
         & (r["tensor"].astype(str).to_numpy() == ov.tensor)
     )
     rows = r[m]
-    return bool(len(rows)) and bool(pd.isna(rows["parent"]).all())
+    if not len(rows) or not bool(pd.isna(rows["parent"]).all()):
+        return False
+    # the call's input itself held the value (not a child's input named by rule 2 as the enclosing call's)
+    return bool(rows[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum() > 0)
 
 
 def call_arity(view: RunView, ov: Overflow) -> tuple[int, list[str]]:

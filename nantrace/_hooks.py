@@ -142,6 +142,7 @@ class Recorder:
         self.event = 0
         self.root_depth = 0
         self.eval_depth = 0  # > 0 inside a root forward left out as evaluation (see module_hooks)
+        self.eval_code = -1  # the module code of the outermost call that eval_depth counts
         self.stack: list[tuple[int, int, frozenset[str] | None, tuple[int, ...]]] = []
         self.calls: dict[int, int] = {}
         self.cache: dict[int, tuple[weakref.ref[torch.Tensor], int, Any, int]] = {}
@@ -263,15 +264,21 @@ class Recorder:
 
     # ------------------------------------------------------------ step structure
     def begin_micro_step(self) -> None:
+        """A root forward begins a micro-step. The step's first keeps what module calls the loop made before it
+        (recorded as micro-step 0 too): their call indices and the kinds they saw go on, so a submodule the
+        loop called itself and the same submodule inside the root forward are calls 0 and 1."""
+        first = self.micro < 0
         self.micro += 1
         self.pending.micro_steps = self.micro + 1
         self.stack.clear()
-        self.calls.clear()
         self.cache.clear()
+        self.reached.clear()
+        if first:  # end_step cleared the rest
+            return
+        self.calls.clear()
         self.seen_kinds.clear()
         self.own_code.clear()
         self.covered.clear()
-        self.reached.clear()
 
     def end_step(self, mask_rule: Any) -> None:
         """Close the open step: one host copy, a ``steps`` row, and drop this step's tensor hooks."""
@@ -389,17 +396,18 @@ class Recorder:
 
         When ``training()`` is true (the trace has a GradScaler or an optimizer), a root forward that starts
         with autograd disabled (``torch.no_grad``/``torch.inference_mode``: evaluation) is not a micro-step:
-        neither it nor any module call inside it is recorded (``eval_depth`` counts such root calls)."""
+        neither it nor any module call inside it is recorded (``eval_depth`` counts such root calls). So is a
+        call of a submodule that the loop makes itself (no call open around it) with autograd disabled."""
         phases = self.phases
 
         def pre(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if not self.active or in_backward():  # activation checkpointing recomputes forwards in backward
                 return
             if self.eval_depth:
-                self.eval_depth += is_root
+                self.eval_depth += mcode == self.eval_code
                 return
-            if is_root and self.root_depth == 0 and not torch.is_grad_enabled() and training():
-                self.eval_depth = 1
+            if not self.stack and self.root_depth == 0 and not torch.is_grad_enabled() and training():
+                self.eval_depth, self.eval_code = 1, mcode  # the root, or a submodule the loop calls itself
                 return
             if is_root and self.root_depth == 0:
                 if step_each_forward() and self.step_open():
@@ -448,7 +456,7 @@ class Recorder:
             if not self.active or in_backward():
                 return
             if self.eval_depth:
-                self.eval_depth -= is_root
+                self.eval_depth -= mcode == self.eval_code
                 return
             call = -1
             in_kinds: frozenset[str] | None = None
