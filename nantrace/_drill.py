@@ -66,6 +66,7 @@ __all__ = [
     "reset_call_site",
     "set_call_site",
     "user_line",
+    "user_stacklevel",
     "zero_counts",
     "zero_fraction",
 ]
@@ -103,6 +104,15 @@ def set_call_site(frame: Any, line: str | None) -> Any:
 
 def reset_call_site(token: Any) -> None:
     _CALL_SITE.v = token
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning, issued by the caller, that points at the first frame outside nantrace and
+    torch (the user's line that called into them)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith((_OWN_DIR, _TORCH_DIR)):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
 
 
 def user_line() -> str | None:

@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _scaler
 from ._capture import Capture, make_capture
+from ._drill import user_stacklevel
 from ._errors import NantraceError
 from ._files import check_target
 from ._format import MAGIC, footer, make_header
@@ -71,19 +72,6 @@ def _chunk_mask(chunk: dict[str, Any], store: Store) -> Any:
         named,
         (phase == PHASE_CODE["data"]) & feats[chunk["tensor"]],
     )
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` of a warning that points at the first frame outside nantrace and torch (the user's
-    line that called into them)."""
-    import os
-    import sys
-
-    skip = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
-        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    return level
 
 
 def _got(obj: Any, base: type) -> str:
@@ -136,7 +124,7 @@ def _check_objects(model: Any, scaler: Any, optimizer: Any) -> None:
                 f"{type(model).__name__}'s parameters, so its step() updates another model: the `optimizer` "
                 "rows, lr and step boundaries are this optimizer's. Pass the optimizer that steps this model "
                 "(e.g. torch.optim.AdamW(model.parameters())).",
-                stacklevel=_user_stacklevel(),
+                stacklevel=user_stacklevel(),
             )
 
 
@@ -368,10 +356,11 @@ class Recording:
             self._detach()
             self.closed = True
             if not failed and not self.store.chunks and not len(self.store.step_rows):
+                api = "nantrace.watch" if "watch" in self.options else "nantrace.trace"
                 warnings.warn(
-                    f"nantrace.trace recorded nothing: no forward call of the traced {self.model_class} and no "
+                    f"{api} recorded nothing: no forward call of the traced {self.model_class} and no "
                     "scaler/optimizer step happened inside `with`. Is the traced model the one the loop calls?",
-                    stacklevel=3,
+                    stacklevel=user_stacklevel(),
                 )
             if self.stream_path is not None:
                 self._close_stream()
@@ -524,7 +513,7 @@ class Recording:
             f"nantrace: step {self.rec.step} ended at optimizer.step() without a loss: with an optimizer and no "
             "GradScaler nantrace cannot see the loss, so steps.loss is NaN (not recorded). Call "
             "tr.step(loss=loss) before optimizer.step() to record it.",
-            stacklevel=_user_stacklevel(),
+            stacklevel=user_stacklevel(),
         )
 
     def end_step(self) -> None:

@@ -49,7 +49,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _store
-from ._drill import issues_collectives, reset_call_site, set_call_site, user_line
+from ._drill import issues_collectives, reset_call_site, set_call_site, user_line, user_stacklevel
 from ._hooks import at_pass_end, eager, graph_task, in_backward
 from ._naming import is_sharded
 from ._scaler import current_lr, nested_step
@@ -731,9 +731,9 @@ def _warn_no_forward(step: int, root: nn.Module) -> None:
     warnings.warn(
         f"nantrace.watch: step {step} ended without a call of the model it watches ({type(root).__name__}): the "
         "sentinel checks that model's inputs and outputs, so a loop that calls its submodules itself is seen only "
-        "through its gradients and parameters, and a step that goes non-finite cannot be replayed. Pass watch() "
-        "the module the loop calls, or use nantrace.trace()",
-        stacklevel=5,
+        "through the loss it gives tr.step(), its gradients and parameters, and a step that goes non-finite cannot "
+        "be replayed. Pass watch() the module the loop calls, or use nantrace.trace()",
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -1004,13 +1004,13 @@ def _same_extremes(flag: _Flag, output: Any) -> bool:
 
 
 def _later_than_seen(chunks: list[dict[str, np.ndarray]], step: int, note: dict[str, Any]) -> str | None:
-    """The phase of the replay's first non-finite row when the sentinel saw a non-finite value in the model's
-    inputs or outputs (phases ``data``/``forward``, which the replayed forward remakes in full) but the replay
-    recorded none there: the replay did not reproduce what the sentinel saw (a forward that depends on Python
-    state, a non-deterministic kernel), and its later rows (the real step's loss) are consequences, not
+    """The phase of the replay's first non-finite row when it is later than the phase where the sentinel saw
+    one: the replay did not reproduce what the sentinel saw (a forward that depends on Python state, a
+    non-deterministic kernel, a gradient that reached the parameters from outside the replayed forward), and
+    its later rows (the real step's loss, the parameters after ``optimizer.step()``) are consequences, not
     producers. None otherwise."""
     seen = PHASE_CODE.get(str(note.get("phase")), len(PHASE_CODE))
-    if seen > PHASE_CODE["forward"] or not chunks or not len(chunks[-1]["step"]):
+    if not chunks or not len(chunks[-1]["step"]):
         return None
     c = chunks[-1]
     bad = ((c["n_nan"] + c["n_posinf"] + c["n_neginf"]) > 0) & (c["step"] == step)

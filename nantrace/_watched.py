@@ -24,6 +24,7 @@ import pandas as pd
 from . import _diagnose, _explain
 from ._diagnosis import DIVERGENCE_MIN_STEPS, Diagnosis
 from ._evidence import WEIGHTS_HELD, op_evidence
+from ._fmt import steps_text
 from ._overflow import Overflow
 from ._schema import wanted_kinds
 from ._view import RunView
@@ -113,6 +114,88 @@ def overflows(
     return out.sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
 
 
+def _unreproduced_message(note: dict[str, Any], k: str) -> str:
+    """What :func:`unreproduced` says of one flagged step whose replay is not its producer (``note``: the
+    sentinel's note; ``k``: its kind): where the sentinel saw the value, and why the replay does not count."""
+    changed = (
+        " The step's inputs had been changed in place after its forward."
+        if note.get("inputs_changed")
+        else ""
+    )
+    if note.get("weights_changed"):
+        micro = ", ".join(str(k) for k in note["weights_changed"])
+        changed += (
+            f" The model's parameters had been written in place after the forward of micro-step(s) {micro} "
+            "(before the replay, which runs before optimizer.step()), so the replay could not compute what "
+            "that forward did."
+        )
+    where = f"`{note['module']}`" if note["module"] else "the model"
+    saw = (
+        f"nantrace.watch saw {k} at step {note['step']} (micro-step {note['micro_step']}, {note['phase']}: "
+        f"{note['tensor']} of {where})"
+    )
+    if note.get("no_forward"):
+        message = (
+            f"{saw}, but did not replay the step: the loop did not call the watched model in it (it called "
+            "submodules itself), so there was no forward to replay and its producer is unknown: this is "
+            "where the sentinel detected it. Trace that step with nantrace.trace() to name the producer."
+        )
+    elif note.get("recorded") == "not_replayed":
+        message = (
+            f"{saw}, but did not replay the step: the model holds FSDP or DDP modules, whose forward and "
+            "backward issue collectives that the other ranks would never join, so its producer is unknown: "
+            "this is where the sentinel detected it. Trace that step with nantrace.trace() on every rank "
+            "to name the producer."
+        )
+    elif note.get("replay_failed"):
+        message = (
+            f"{saw}, but replaying the step raised {note['replay_failed']} (forward or hook code that ran "
+            "again), so its producer is unknown: this is where the sentinel detected it. Trace that step with "
+            "nantrace.trace() to name the producer."
+        )
+    elif note.get("replay_unused") and not (note.get("inputs_changed") or note.get("weights_changed")):
+        micro = ", ".join(str(k) for k in note.get("outputs_differ", []))
+        message = (
+            f"{saw}, but the replayed forward of micro-step(s) {micro} computed other outputs than the real "
+            "one (their smallest or largest value differ): what the forward reads had changed since (a call "
+            "counter or flag of a module or of the loop, a buffer the forward updates, the training flag, "
+            "global Python state) or a kernel is non-deterministic, so the values its replay recorded are not "
+            "this step's and are not used: its producer is unknown: this is where the sentinel detected it. "
+            "Trace that step with nantrace.trace() to name the producer."
+        )
+    elif note.get("replay_unused"):
+        message = (
+            f"{saw}, but its {_written_what(note)} written in place after the forward, so the values its "
+            f"replay recorded are not this step's and are not used: its producer is unknown: this is where "
+            f"the sentinel detected it.{changed} Trace that step with nantrace.trace() to name the producer, "
+            "or write those tensors only after the step."
+        )
+    elif note.get("replay_first") and note["phase"] not in ("data", "forward"):
+        message = (
+            f"{saw}, but the replay recorded none in the {note['phase']} phase: its first non-finite value was "
+            f"in the {note['replay_first']} phase (a consequence of the real step), so the producer is "
+            f"unknown: this is where the sentinel detected it.{changed} A gradient that reached the parameters "
+            "from outside the replayed forward (a submodule the loop calls itself, a term of another model) or "
+            "non-deterministic kernels make a replay differ; trace that step with nantrace.trace() to name "
+            "the producer."
+        )
+    elif note.get("replay_first"):
+        message = (
+            f"{saw}, but the replayed forward held none: the replay's first non-finite value was in the "
+            f"{note['replay_first']} phase (a consequence of the real step, as its loss), so the producer is "
+            f"unknown: this is where the sentinel detected it.{changed} A forward that depends on Python state "
+            "(a call counter, a flag set by the loop) or non-deterministic kernels make a replay differ; trace "
+            "that step with nantrace.trace() to name the producer."
+        )
+    else:
+        message = (
+            f"{saw}, but replaying the step recorded no non-finite value, so its producer is unknown: this is "
+            f"where the sentinel detected it.{changed} Non-deterministic kernels or inputs changed after the "
+            "forward make a replay differ; trace that step with nantrace.trace() to name the producer."
+        )
+    return message
+
+
 def unreproduced(view: RunView, kind: str | None = None) -> list[Overflow]:
     """Per step whose replay recorded no non-finite value, where the sentinel saw one, as an
     :class:`Overflow` whose fields say where it was *detected* (not who produced it); step order."""
@@ -124,73 +207,7 @@ def unreproduced(view: RunView, kind: str | None = None) -> list[Overflow]:
         k = note["kind"]
         if (k == "nan" and "nan" not in wanted) or (k == "inf" and not wanted & {"posinf", "neginf"}):
             continue
-        changed = (
-            " The step's inputs had been changed in place after its forward."
-            if note.get("inputs_changed")
-            else ""
-        )
-        if note.get("weights_changed"):
-            micro = ", ".join(str(k) for k in note["weights_changed"])
-            changed += (
-                f" The model's parameters had been written in place after the forward of micro-step(s) {micro} "
-                "(before the replay, which runs before optimizer.step()), so the replay could not compute what "
-                "that forward did."
-            )
-        where = f"`{note['module']}`" if note["module"] else "the model"
-        saw = (
-            f"nantrace.watch saw {k} at step {note['step']} (micro-step {note['micro_step']}, {note['phase']}: "
-            f"{note['tensor']} of {where})"
-        )
-        if note.get("no_forward"):
-            message = (
-                f"{saw}, but did not replay the step: the loop did not call the watched model in it (it called "
-                "submodules itself), so there was no forward to replay and its producer is unknown: this is "
-                "where the sentinel detected it. Trace that step with nantrace.trace() to name the producer."
-            )
-        elif note.get("recorded") == "not_replayed":
-            message = (
-                f"{saw}, but did not replay the step: the model holds FSDP or DDP modules, whose forward and "
-                "backward issue collectives that the other ranks would never join, so its producer is unknown: "
-                "this is where the sentinel detected it. Trace that step with nantrace.trace() on every rank "
-                "to name the producer."
-            )
-        elif note.get("replay_failed"):
-            message = (
-                f"{saw}, but replaying the step raised {note['replay_failed']} (forward or hook code that ran "
-                "again), so its producer is unknown: this is where the sentinel detected it. Trace that step with "
-                "nantrace.trace() to name the producer."
-            )
-        elif note.get("replay_unused") and not (note.get("inputs_changed") or note.get("weights_changed")):
-            micro = ", ".join(str(k) for k in note.get("outputs_differ", []))
-            message = (
-                f"{saw}, but the replayed forward of micro-step(s) {micro} computed other outputs than the real "
-                "one (their smallest or largest value differ): what the forward reads had changed since (a call "
-                "counter or flag of a module or of the loop, a buffer the forward updates, the training flag, "
-                "global Python state) or a kernel is non-deterministic, so the values its replay recorded are not "
-                "this step's and are not used: its producer is unknown: this is where the sentinel detected it. "
-                "Trace that step with nantrace.trace() to name the producer."
-            )
-        elif note.get("replay_unused"):
-            message = (
-                f"{saw}, but its {_written_what(note)} written in place after the forward, so the values its "
-                f"replay recorded are not this step's and are not used: its producer is unknown: this is where "
-                f"the sentinel detected it.{changed} Trace that step with nantrace.trace() to name the producer, "
-                "or write those tensors only after the step."
-            )
-        elif note.get("replay_first"):
-            message = (
-                f"{saw}, but the replayed forward held none: the replay's first non-finite value was in the "
-                f"{note['replay_first']} phase (a consequence of the real step, as its loss), so the producer is "
-                f"unknown: this is where the sentinel detected it.{changed} A forward that depends on Python state "
-                "(a call counter, a flag set by the loop) or non-deterministic kernels make a replay differ; trace "
-                "that step with nantrace.trace() to name the producer."
-            )
-        else:
-            message = (
-                f"{saw}, but replaying the step recorded no non-finite value, so its producer is unknown: this is "
-                f"where the sentinel detected it.{changed} Non-deterministic kernels or inputs changed after the "
-                "forward make a replay differ; trace that step with nantrace.trace() to name the producer."
-            )
+        message = _unreproduced_message(note, k)
         out.append(
             Overflow(
                 step=int(note["step"]),
@@ -251,6 +268,9 @@ def diagnose(view: RunView) -> Diagnosis:
     missed = unreproduced(view)
     first = result.overflow
     if missed and (first is None or missed[0].step <= first.step):
+        backoff = _backoff_unreplayed(view, result, missed)
+        if backoff is not None:
+            return backoff
         ov = missed[0]
         note = _notes(view).get(str(ov.step), {})
         how = (
@@ -278,6 +298,24 @@ def diagnose(view: RunView) -> Diagnosis:
                 result, overflow=ov, evidence=[*result.evidence, ov.message[len(first.message) :].strip()]
             )
     return _unjudged(view, result)
+
+
+def _backoff_unreplayed(view: RunView, result: Diagnosis, missed: list[Overflow]) -> Diagnosis | None:
+    """The rules' benign-backoff verdict (``result``) when every step whose replay did not reproduce its values
+    (``missed``) is one the GradScaler skipped and where the sentinel first saw the value in the gradients
+    (phase ``loss`` or ``backward``): that is what a backoff is, read from the ``steps`` table and the sentinel,
+    whatever made the values. None otherwise (the unreproduced step is reported as such)."""
+    if result.cause != "scaler_backoff":
+        return None
+    skipped = {int(st) for st, k in zip(view.steps["step"], view.steps["skipped"], strict=True) if k == 1}
+    if not all(o.phase in ("loss", "backward") and o.step in skipped for o in missed):
+        return None
+    line = (
+        f"nantrace.watch's replays of step(s) {steps_text([o.step for o in missed])} did not reproduce them "
+        "(their producers are unknown), but on each the sentinel saw the inf/NaN first in the gradients and "
+        "the GradScaler skipped the step: read from the skipped steps and the loss scale, recorded on every step"
+    )
+    return dataclasses.replace(result, evidence=[*result.evidence, line])
 
 
 def _unjudged(view: RunView, result: Diagnosis) -> Diagnosis:

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import gc
 import math
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -238,6 +239,22 @@ def test_empty_trace_has_the_columns_and_warns() -> None:
     assert list(tr.steps.columns[: len(STEP_COLUMNS)]) == STEP_COLUMNS
     assert len(tr.records) == 0 and len(tr.steps) == 0
     assert tr.first_overflow() is None
+
+
+@pytest.mark.parametrize("make", [nantrace.trace, nantrace.watch], ids=["trace", "watch"])
+def test_an_empty_run_names_the_function_it_ran_under_at_the_users_line(make: Any) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with make(TwoLayer()):
+            pass
+    said = [(str(w.message), w.filename) for w in caught]
+    assert said == [
+        (
+            f"nantrace.{make.__name__} recorded nothing: no forward call of the traced TwoLayer and no "
+            "scaler/optimizer step happened inside `with`. Is the traced model the one the loop calls?",
+            __file__,
+        )
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ 2. statistics

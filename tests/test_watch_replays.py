@@ -340,3 +340,73 @@ def test_a_replay_that_raises_after_recording_a_non_finite_value_is_still_not_re
     assert "but replaying the step raised RuntimeError: hook ran twice in one step" in str(
         tr.first_overflow()
     )
+
+
+def _walk_down(make: Any) -> nantrace.Trace:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), _PrivateCounter(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)
+    with make(m, optimizer=opt, scaler=scaler) as tr:
+        for _ in range(24):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(torch.randn(4, 8)).float().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return tr
+
+
+def test_a_benign_backoff_stays_benign_under_watch_when_a_call_counter_keeps_its_replays_from_reproducing() -> (
+    None
+):
+    traced, watched = _walk_down(nantrace.trace), _walk_down(_watch)
+    skipped = watched.steps["skipped"].astype(bool)
+    assert skipped.tolist() == traced.steps["skipped"].astype(bool).tolist()
+    n = int(skipped.sum())
+    assert 0 < n < 24 and not skipped.iloc[n:].any()  # the scale walked down, then training proceeded
+    assert watched.steps["recorded"].tolist() == ["not_reproduced"] * n + ["watch"] * (24 - n)
+    assert traced.diagnose().cause == "scaler_backoff"
+    d = watched.diagnose()
+    assert (d.cause, d.summary) == (
+        "scaler_backoff",
+        f"Benign loss-scale backoff: the GradScaler skipped {n} step(s), then training proceeded.",
+    )
+    assert d.evidence[-1].startswith(f"nantrace.watch's replays of step(s) 0–{n - 1} did not reproduce them")
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_a_gradient_from_outside_the_replayed_forward_is_not_blamed_on_the_optimizer() -> None:
+    torch.manual_seed(0)
+    m = _Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with _watch(m, optimizer=opt) as tr:
+        for s in range(2):
+            aux_in = torch.zeros(2, 4)
+            aux_in[:, 0] = 2e38 if s == 1 else 1.0  # finite; b.weight.grad = 2 * 2e38 = inf in float32
+            loss = (
+                m(torch.randn(2, 4)).sum() + m.b(aux_in).sum()
+            )  # an aux term through `b`, outside m's forward
+            loss.backward()
+            tr.step(loss=loss)
+            opt.step()
+            opt.zero_grad()
+    assert tr.steps["recorded"].tolist() == ["watch", "not_reproduced"]
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase, ov.module, ov.tensor, ov.kind) == (
+        1, "backward", "b", "weight.grad", "inf",
+    )  # fmt: skip
+    assert (
+        "but the replay recorded none in the backward phase: its first non-finite value was in the optimizer"
+        in (str(ov))
+    )
+    assert tr.diagnose().cause == "backward_overflow"
