@@ -626,14 +626,18 @@ def _ranks_note(records: object) -> str:
     return f" (ranks {ranks} merged);\nrank {ov.rank} produced the first overflow: step {f['step']}, {f['phase']}, {where}"
 
 
-def _cell_edges(centers: np.ndarray) -> np.ndarray:
-    """Edges between consecutive cell centres (steps need not be evenly spaced)."""
-    if centers.size == 1:
-        return np.array([centers[0] - 0.5, centers[0] + 0.5])
-    mids = (centers[:-1] + centers[1:]) / 2
-    return np.concatenate(
-        ([centers[0] - (mids[0] - centers[0])], mids, [centers[-1] + (centers[-1] - mids[-1])])
-    )
+def _step_columns(steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(x edges, column -> index into steps or -1)``: one cell a step wide at each recorded step
+    (``[s - 0.5, s + 0.5]``), and one column of "no record" over each gap between recorded steps, so a cell
+    never stands for a step that was not recorded (``every=10``: steps 1-9 are no record, not step 0's value)."""
+    edges, index = [float(steps[0]) - 0.5], []
+    for i, s in enumerate(steps.tolist()):
+        if s - 0.5 > edges[-1]:  # steps between the previous recorded one and this one: no record
+            edges.append(s - 0.5)
+            index.append(-1)
+        edges.append(s + 0.5)
+        index.append(i)
+    return np.asarray(edges), np.asarray(index)
 
 
 def _special_levels(value: str, limits: _Limits) -> list[tuple[float, str]]:
@@ -750,14 +754,17 @@ def _draw_nonfinite(
 def _draw_cells(ax: Axes, rows: _HeatmapRows, scale: _ColourScale) -> Any:
     """Draw the value cells and the NaN/inf overlay of ``rows``; return the value mesh."""
     n_rows = len(rows.values.index)
-    mask = rows.bad.to_numpy(dtype=bool)
-    steps = rows.values.columns.to_numpy(dtype="float64")
-    x_edges = _cell_edges(steps)
+    recorded = rows.values.columns.to_numpy(dtype="float64")
+    x_edges, index = _step_columns(recorded)
+    gap = index < 0
+    shown = np.where(gap[None, :], np.nan, scale.shown[:, np.maximum(index, 0)])
+    mask = rows.bad.to_numpy(dtype=bool)[:, np.maximum(index, 0)] & ~gap[None, :]
+    steps = np.where(gap, np.nan, recorded[np.maximum(index, 0)])
     y_edges = np.arange(n_rows + 1) - 0.5
     mesh = ax.pcolormesh(
         x_edges,
         y_edges,
-        np.ma.masked_invalid(scale.shown),
+        np.ma.masked_invalid(shown),
         cmap=scale.cmap,
         vmin=scale.vmin,
         vmax=scale.vmax,
@@ -1557,6 +1564,11 @@ def overview(
     label = "headroom [bits]" if kind == "headroom" else "log2(max |x|)"
     _add_colorbar(fig, heat_ax, mesh, levels, extend, label)
     _draw_scale_timeline(time_ax, step_frame)
+    if len(step_frame):  # the shared axis spans every step of the run, recorded or not
+        lo, hi = heat_ax.get_xlim()
+        first, last = float(step_frame["step"].min()), float(step_frame["step"].max())
+        heat_ax.set_xlim(min(lo, first - 0.5), max(hi, last + 0.5))
+        heat_ax.set_facecolor(_NO_DATA_COLOR)  # the steps past the last record: no record
     heat_ax.set_xlabel("")
     heat_ax.tick_params(axis="x", labelbottom=True)
     return fig

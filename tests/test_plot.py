@@ -225,6 +225,29 @@ def test_heatmap_draws_the_grid(records: pd.DataFrame) -> None:
     assert "first non-finite value at step 1 in 'dec'" in ax.get_title(loc="left")
 
 
+def test_a_heatmap_with_gaps_between_recorded_steps_draws_them_as_no_record() -> None:
+    # every=10: steps 0 and 10 in full, step 13's non-finite tensor on a light step; nothing else recorded
+    frame = make_records(
+        [
+            {"step": 0, "module": "a", "absmax": 4.0},
+            {"step": 10, "module": "a", "absmax": 4.0},
+            {"step": 13, "module": "a", "absmax": 4.0, "n_nan": 1},
+        ]
+    )
+    ax = plot.heatmap(frame).axes[0]
+    mesh = _by_gid(ax, "values")
+    # cells [-0.5, 0.5], gap, [9.5, 10.5], gap, [12.5, 13.5]: a cell is exactly its step
+    assert mesh.get_coordinates()[0, :, 0].tolist() == [-0.5, 0.5, 9.5, 10.5, 12.5, 13.5]
+    assert np.ma.getmaskarray(mesh.get_array()).ravel().tolist() == [False, True, False, True, False]
+    overlay = _by_gid(ax, "nonfinite")
+    assert (~np.ma.getmaskarray(overlay.get_array())).ravel().tolist() == [False, False, False, False, True]
+    assert np.asarray(_by_gid(ax, "nonfinite_onsets").get_offsets()).tolist() == [[13.0, 0.0]]
+    assert ax.get_xlim() == (-0.5, 13.5)
+    # the overview's shared axis spans every step of the run (0-17), the steps after the last record grey
+    heat = plot.overview(frame, make_steps([1.0] * 18, [False] * 18)).axes[0]
+    assert heat.get_xlim() == (-0.5, 17.5)
+
+
 def test_heatmap_colorbar_marks_fp16_max(records: pd.DataFrame) -> None:
     fig = plot.heatmap(records)
     cbar_ax = fig.axes[1]
