@@ -59,9 +59,17 @@ def _lowest_scale_advice(run: Facts, ev: Overflow, gout: pd.DataFrame, at: float
     dtype = compute_dtype(run, ev)
     limit = num(dtype_max(dtype))
     if ev.phase == "loss":
+        if at < 1:
+            return (
+                f"The gradient of the loss w.r.t. the outputs exceeds {limit} even below loss scale 1 ({num(at)}): "
+                "the loss is too large (e.g. a sum over many elements); use a mean, divide it, or compute it in "
+                "float32.",
+                True,
+            )
         return (
-            f"The gradient of the loss w.r.t. the outputs exceeds {limit} even at a small scale: the loss is "
-            "too large (e.g. a sum over many elements); use a mean, divide it, or compute it in float32.",
+            f"The gradient of the loss w.r.t. the outputs still exceeded {limit} at loss scale {num(at)}. If the "
+            "scale goes on falling towards 1, the loss is too large for it (e.g. a sum over many elements): use a "
+            "mean, divide it, or compute it in float32.",
             True,
         )
     g = finite_absmax(gout)

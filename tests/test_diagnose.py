@@ -1196,3 +1196,41 @@ def test_a_singular_point_during_fast_updates_is_invalid_op_not_divergence(make:
     assert "overflowed" not in str(d)
     if make is nantrace.trace:
         assert divergence(Facts(tr._view()), 2, "sq").found
+
+
+def _scaled_loss_run(
+    init_scale: float, factor: float, steps: int, m: nn.Module | None = None, batch: int = 4
+) -> nantrace.Trace:
+    torch.manual_seed(0)
+    m = m or nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    with nantrace.trace(m, optimizer=opt, scaler=scaler) as tr:
+        for _ in range(steps):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(torch.rand(batch, 8) * 0.5).float().mean() * factor
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return tr
+
+
+def test_a_loss_gradient_still_overflowing_at_a_large_scale_is_not_said_to_overflow_at_a_small_one() -> None:
+    d = _scaled_loss_run(2.0**40, 1.0, 12).diagnose()  # a walk-down from 2**40, still falling at 2**29
+    assert d.cause == "loss_scale_collapse"
+    assert d.advice[0] == (
+        "The gradient of the loss w.r.t. the outputs still exceeded 65504 at loss scale 5.369e+08. If the scale "
+        "goes on falling towards 1, the loss is too large for it (e.g. a sum over many elements): use a mean, "
+        "divide it, or compute it in float32."
+    )
+
+
+def test_a_loss_gradient_overflowing_below_loss_scale_1_says_the_loss_is_too_large() -> None:
+    # one output, inputs below 0.5: only the gradient at the output (1e7 x scale) overflows float16
+    d = _scaled_loss_run(2.0, 1e7, 10, nn.Linear(8, 1), batch=1).diagnose()
+    assert d.cause == "loss_scale_collapse"
+    assert (
+        "The gradient of the loss w.r.t. the outputs exceeds 65504 even below loss scale 1 (0.007812): the loss is "
+        "too large (e.g. a sum over many elements); use a mean, divide it, or compute it in float32."
+    ) in d.advice
