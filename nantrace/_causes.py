@@ -8,7 +8,13 @@ import math
 import numpy as np
 import pandas as pd
 
-from ._diagnosis import DIVERGENCE_UPDATE_RATIO, HEADLINE_MAX, HEALTHY_UPDATE_RATIO, Diagnosis
+from ._diagnosis import (
+    DIVERGENCE_UPDATE_RATIO,
+    DIVERGENCE_WINDOW,
+    HEADLINE_MAX,
+    HEALTHY_UPDATE_RATIO,
+    Diagnosis,
+)
 from ._evidence import (
     KEPT_DERIVATIVE,
     KEPT_DERIVATIVE_FIX,
@@ -441,10 +447,14 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     limit = dtype_max(dtype)
     own_code = own_code_of(run, ev)
     op = run.op_of(ev, "posinf") or run.op_of(ev, "neginf") or run.op_of(ev, "nan")
+    from_what = (
+        f"finite inputs (absmax {num(in_absmax)})"
+        if not math.isnan(in_absmax)
+        else "inputs with no recorded floating-point tensor (token ids, indices)"
+    )
     evidence = [
-        f"{module_label(ev.module)} ({ev.module_type}, call {ev.call}) at {step_words(ev)} turned finite inputs "
-        f"(absmax {num(in_absmax)}) into {'NaN' if ev.kind == 'nan' else 'inf'} in {dtype}, whose largest "
-        f"finite value is {num(limit)}"
+        f"{module_label(ev.module)} ({ev.module_type}, call {ev.call}) at {step_words(ev)} turned {from_what} "
+        f"into {'NaN' if ev.kind == 'nan' else 'inf'} in {dtype}, whose largest finite value is {num(limit)}"
     ]
     if in_absmax > limit:
         evidence.append(
@@ -485,10 +495,17 @@ def forward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     if drift is not None:
         evidence.append(drift[0])
     if own_code and hook is None:
+        which = (
+            f"`{op}`"
+            if op
+            else f"e.g. a residual add `x + f(x)` of values near {num(in_absmax)}"
+            if not math.isnan(in_absmax)
+            else "an op between its submodules"
+        )
         advice.insert(
             0,
-            f"The op that overflows is in {module_label(ev.module)}'s own forward (e.g. a residual add `x + f(x)` of "
-            f"values near {num(in_absmax)}): normalise before it (pre-norm) or compute that op in float32.",
+            f"The op that overflows is in {module_label(ev.module)}'s own forward ({which}): normalise before it "
+            "(pre-norm) or compute that op in float32.",
         )
     if beyond:
         advice.insert(0, _beyond_advice(run, ev, beyond, live, limit))
@@ -581,7 +598,38 @@ def _invalid_forward(run: Facts, ev: Overflow) -> Diagnosis:
     return Diagnosis("invalid_op", ev, evidence, advice, summary)
 
 
+def _singular_backward(run: Facts, ev: Overflow) -> Diagnosis:
+    """A backward inf that no product of the recorded magnitudes reaches (:func:`backward_bound`)."""
+    oe = op_evidence(run.view, ev)
+    assert oe is not None
+    name = module_label(ev.module)
+    evidence = [
+        f"the backward of {name} ({ev.module_type}) at {step_words(ev)} made +inf in `{ev.tensor}` "
+        f"({oe.dtype}): {oe.because}",
+    ]
+    fwd = run.rows_of(ev.step, "forward", module=ev.module, prefix="input")
+    zeros = int(fwd["n_zero"].sum()) if len(fwd) else 0
+    if zeros:
+        evidence.append(f"its forward input held {zeros} exact zero(s) at that step")
+    skips = skips_text(run)
+    if skips:
+        evidence.append(skips)
+    advice = [
+        f"In the backward of {name}: a derivative is infinite at the values it saw (x/0 in a hand-written "
+        "backward, 1/sqrt(0), log at 0): clamp the forward input away from that point (`x.clamp_min(eps)`) or add "
+        "eps to the denominator. A loss scale, clipping or a wider dtype does not remove it.",
+        "`torch.autograd.detect_anomaly()` on one step names the exact backward function.",
+    ]
+    summary = (
+        f"The backward of {name} made +inf from finite gradients at step {ev.step}: a singular point of a "
+        "derivative, not an overflow."
+    )
+    return Diagnosis("invalid_op", ev, evidence, advice, summary)
+
+
 def _invalid_backward(run: Facts, ev: Overflow) -> Diagnosis:
+    if ev.kind == "inf":
+        return _singular_backward(run, ev)
     dtype = str(ev.dtype)
     gout = run.rows_of(ev.step, ("backward", "loss"), module=ev.module, prefix="grad_output")
     scale = run.scale.get(ev.step, math.nan)
@@ -643,11 +691,14 @@ def empty_reduction(run: Facts, ev: Overflow) -> int | None:
     return mean_over_nothing(g[g["micro_step"].to_numpy() == ev.micro_step])
 
 
-def _loss_gradient_advice(run: Facts, ev: Overflow, lv: float) -> str:
-    """Advice for a finite loss whose gradient at the model's outputs was not (or a loss not recorded)."""
+def _loss_gradient_advice(run: Facts, ev: Overflow, lv: float, held: str | None) -> str:
+    """Advice for a loss whose gradient at the model's outputs was not finite: the loss finite (``lv``), or
+    recorded non-finite (``held``: its kind, e.g. ``"NaN"``), or not recorded."""
     dtype = str(ev.dtype)
     scale = run.scale.get(ev.step, math.nan)
-    if math.isnan(lv):
+    if held is not None:
+        head = f"The loss was {held} and so was the gradient it sent back to the model's outputs"
+    elif math.isnan(lv):
         head = (
             f"The loss of step {ev.step} was not recorded (pass it through `scaler.scale(loss)` or "
             "`tr.step(loss=loss)`), but the gradient it sent back was not finite"
@@ -666,6 +717,16 @@ def _loss_gradient_advice(run: Facts, ev: Overflow, lv: float) -> str:
     )
 
 
+def _loss_kind(loss_rows: pd.DataFrame, micro: int) -> str | None:
+    """``"NaN"``, ``"+inf"`` or ``"-inf"`` when the recorded loss of micro-step ``micro`` held that (the first of
+    NaN, +inf, -inf it held); None when no loss was recorded there or it was finite."""
+    rows = loss_rows[loss_rows["micro_step"].to_numpy() == micro] if len(loss_rows) else loss_rows
+    for col, word in (("n_nan", "NaN"), ("n_posinf", "+inf"), ("n_neginf", "-inf")):
+        if len(rows) and int(rows[col].sum()):
+            return word
+    return None
+
+
 def loss(run: Facts, ev: Overflow) -> Diagnosis:
     outs = run.rows_of(ev.step, "forward", module="", prefix="output")
     if "micro_step" in outs.columns and (outs["micro_step"].to_numpy() == ev.micro_step).any():
@@ -676,8 +737,11 @@ def loss(run: Facts, ev: Overflow) -> Diagnosis:
     lv = run.loss.get(ev.step, math.nan)
     seen = outputs_words(outs) if len(outs) else "were not recorded (no traced forward in this step)"
     evidence = [f"the model's outputs at step {ev.step} {seen} but {which} was {ev.kind} ({ev.dtype})"]
+    held = _loss_kind(loss_rows, ev.micro_step) if math.isnan(lv) else None
     if not ev.tensor.startswith("loss"):
         value = f"{num(lv)} ({loss_dtype})" if not math.isnan(lv) else "not recorded"
+        if held is not None:  # recorded, and not finite: steps.loss is NaN for either
+            value = f"{held} ({loss_dtype}), recorded after the backward that sent the gradient"
         evidence.append(f"loss value at step {ev.step}: {value}")
     bad = run.loss_nonfinite_steps()
     if len(bad) > 1:
@@ -719,7 +783,7 @@ def loss(run: Facts, ev: Overflow) -> Diagnosis:
     elif ev.tensor.startswith("loss"):
         advice += loss_advice(outs, loss_dtype, ev.kind)
     if not ev.tensor.startswith("loss"):
-        advice.append(_loss_gradient_advice(run, ev, lv))
+        advice.append(_loss_gradient_advice(run, ev, lv, held))
     shown = "held only a mask's -inf" if masked_outputs(outs) else "were finite"
     summary = (
         f"The model's outputs {shown if len(outs) else 'were not recorded'} but {which} was non-finite at "
@@ -921,6 +985,16 @@ def _lr_advice(run: Facts, div: DivergenceFacts) -> str:
     return text + "; and add a warmup."
 
 
+def _no_gradient(run: Facts, step: int | None) -> int | None:
+    """How many of the recorded steps before ``step`` (the trailing divergence window) have a gradient norm,
+    when every one of them is exactly 0 (at least 2); None otherwise."""
+    if step is None:
+        return None
+    norms = [run.grad_norm[s] for s in sorted(run.grad_norm) if s < step][-DIVERGENCE_WINDOW:]
+    norms = [v for v in norms if not math.isnan(v)]
+    return len(norms) if len(norms) >= 2 and all(v == 0.0 for v in norms) else None
+
+
 def divergence_diagnosis(run: Facts, ev: Overflow | None, div: DivergenceFacts) -> Diagnosis:
     evidence = list(div.evidence)
     if ev is not None:
@@ -937,7 +1011,18 @@ def divergence_diagnosis(run: Facts, ev: Overflow | None, div: DivergenceFacts) 
         evidence.append(skips)
     advice = [_lr_advice(run, div)]
     clip = run.clipping()
-    if clip is not None:
+    still = _no_gradient(run, ev.step if ev is not None else div.last_step)
+    if still is not None:  # the weights grew with no gradient: the optimizer's own update grew them
+        evidence.append(
+            f"the gradient norm was exactly 0 at each of the {still} recorded step(s) before: the updates that grew "
+            "the weights did not come from gradients"
+        )
+        advice.append(
+            "Clipping gradients cannot help: they were 0. With no gradient, only the optimizer's own terms change "
+            "the weights: weight decay (SGD: w ← w·(1 − lr·weight_decay), which grows |w| when lr·weight_decay > 2), "
+            "momentum or state carried from earlier steps; check the optimizer's weight_decay and lr."
+        )
+    elif clip is not None:
         evidence.append(clipping_text(clip))
     elif run.has_scaler():
         advice.append(

@@ -122,7 +122,7 @@ from dataclasses import dataclass, replace
 from . import _causes as c
 from . import _scale_causes as sc
 from ._diagnosis import COLLAPSE_RUN, QUIET_DIVERGENCE_GROWTH, QUIET_DIVERGENCE_LOSS_GROWTH, Diagnosis
-from ._evidence import NORMALISED_STEP_BOUND, WEIGHTS_HELD, handed_in, headline, op_evidence
+from ._evidence import NORMALISED_STEP_BOUND, WEIGHTS_HELD, backward_bound, handed_in, headline, op_evidence
 from ._explain import explained, first_overflow, overflows
 from ._facts import DivergenceFacts, Facts, divergence, fast_updates, overflow_from_row
 from ._fmt import num, steps_text
@@ -229,6 +229,12 @@ def _forward_overflow(run: Facts, ev: Overflow) -> bool:
     return oe is not None and oe.cause == "forward_overflow"
 
 
+def _backward_overflow(run: Facts, ev: Overflow) -> bool:
+    """A backward inf, except one that no product of the recorded magnitudes reaches (a singular point of a
+    derivative, :func:`nantrace._evidence.backward_bound`): that is ``invalid_op``."""
+    return ev.phase == "backward" and ev.kind == "inf" and backward_bound(run.view, ev) is None
+
+
 # The causes of an event that is not scale-dependent, in the order they are tried: the first that applies wins.
 FAULT_RULES: tuple[Rule, ...] = (
     Rule("data", lambda run, ev: ev.phase == "data" or handed_in(run.view, ev), c.data),
@@ -237,9 +243,7 @@ FAULT_RULES: tuple[Rule, ...] = (
     Rule("data", lambda run, ev: ev.phase == "forward" and c.leaked_masks(run, ev) is not None, _mask_leak),
     Rule("forward_overflow", _forward_overflow, c.forward_overflow),
     Rule("invalid_op", lambda run, ev: ev.phase == "forward", c.invalid_op),
-    Rule(
-        "backward_overflow", lambda run, ev: ev.phase == "backward" and ev.kind == "inf", c.backward_overflow
-    ),
+    Rule("backward_overflow", lambda run, ev: _backward_overflow(run, ev), c.backward_overflow),
     Rule("invalid_op", lambda run, ev: ev.phase == "backward", c.invalid_op),
     Rule("optimizer", lambda run, ev: True, c.optimizer),
 )

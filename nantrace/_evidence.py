@@ -47,7 +47,7 @@ from ._hooks import CAST_OP
 from ._masks import lowest_masks
 from ._opfacts import TARGET_OPS
 from ._overflow import Overflow
-from ._ranges import finite_absmax, last_optimizer_row, weights_beyond
+from ._ranges import finite_absmax, last_optimizer_row, own_parameters, weights_beyond
 from ._schema import KIND_WORDS, MASK_KIND, dtype_max
 from ._view import RunView
 
@@ -982,6 +982,16 @@ def _classify_call(view: RunView, ov: Overflow, kind: str, beyond: bool) -> tupl
                 "its backward made NaN from finite incoming gradients",
                 "0·inf, inf − inf or 0/0 in a derivative",
             )
+        bound = backward_bound(view, ov)
+        if bound is not None:
+            g, a, n, b = bound
+            return (
+                "singular",
+                f"with no recorded parameters, its incoming gradients (absmax {num(g)}) times its recorded inputs "
+                f"and outputs (absmax at most {num(a)}) summed over at most {n} elements stay below {num(b)}, far "
+                f"under {backward_dtype(view, ov)}'s max, so a derivative in its backward was itself infinite",
+                "an infinite derivative (x/0, 1/sqrt(0), log at 0)",
+            )
         return (
             "overflow",
             "its backward made inf from finite incoming gradients",
@@ -1021,6 +1031,38 @@ def _classify_call(view: RunView, ov: Overflow, kind: str, beyond: bool) -> tupl
         f"finite inputs (absmax {num(in_max)}) gave a value beyond {num(limit)}",
         f"a value beyond {dtype}'s max",
     )
+
+
+def backward_bound(view: RunView, ov: Overflow) -> tuple[float, float, int, float] | None:
+    """``(g, a, n, g·a·n)`` for a backward inf of a module call that owns no recorded parameter, when that
+    bound is below the backward dtype's max; else None. ``g``: the finite absmax of the gradients arriving at
+    the call (``grad_output``); ``a``: the largest finite absmax of its recorded forward inputs and outputs (at
+    least 1); ``n``: the most elements of one of them (a bound on how many terms one gradient element sums).
+    A backward that multiplies incoming gradients by values of the size the forward saw and sums them cannot
+    pass ``g·a·n``: an inf beyond it comes from a derivative that was itself infinite (a singular point)."""
+    if ov.phase != "backward" or ov.kind != "inf":
+        return None
+    r = _rank_rows(view.records, ov, _many(view))
+    mine = r[
+        (r["step"].to_numpy() == ov.step)
+        & (r["micro_step"].to_numpy() == ov.micro_step)
+        & (r["module"].astype(str).to_numpy() == ov.module)
+        & (r["call"].to_numpy() == ov.call)
+    ]
+    if own_parameters(r, ov.module) or not len(mine):
+        return None
+    phase, tensor = mine["phase"].astype(str), mine["tensor"].astype(str)
+    gout = mine[phase.isin(["backward", "loss"]).to_numpy() & tensor.str.startswith("grad_output").to_numpy()]
+    fwd = mine[phase.isin(["data", "forward"]).to_numpy()]
+    if not len(gout) or not len(fwd) or int(gout[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum()):
+        return None
+    if int(fwd[["n_nan", "n_posinf", "n_neginf"]].to_numpy().sum()):
+        return None  # a non-finite forward value: its own derivative can be what made it
+    g, a = finite_absmax(gout), max(finite_absmax(fwd), 1.0)
+    n = int(fwd["numel"].max())
+    bound = g * a * n
+    limit = dtype_max(backward_dtype(view, ov))
+    return (g, a, n, bound) if math.isfinite(bound) and bound < limit else None
 
 
 def backward_dtype(view: RunView, ov: Overflow) -> str:
@@ -1153,7 +1195,9 @@ MASKED_LOSS = (
     "cross-entropy with `label_smoothing`, a KL divergence p·(log p − log q) or a sum of log-probabilities, "
     "multiplies that -inf by a non-zero weight (inf) or by 0 (NaN). Leave the masked entries out of the loss: "
     "spread label smoothing over the allowed entries only, and sum p·log q where p > 0 (`torch.xlogy`, "
-    "`F.kl_div`); a finite stand-in for -inf (`torch.finfo(dtype).min`) keeps the loss finite but huge."
+    "`F.kl_div`); a finite stand-in for -inf (`torch.finfo(dtype).min`) keeps the loss finite but huge. If the "
+    "model masks nothing there, the -inf is a log of an exact 0 (a softmax that saturated, `log(softmax(x))` "
+    "written by hand): `torch.log_softmax` stays finite."
 )
 
 

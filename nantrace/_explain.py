@@ -502,7 +502,22 @@ def _backward(view: RunView, ev: Event) -> str:
     if carried is not None:
         return carried
     ov = Overflow(**ev.fields)
-    return headline(ov, op_evidence(view, ov)) + "\n" + _backward_body(ev)
+    oe = op_evidence(view, ov)
+    if oe is not None and oe.op_class == "singular":  # a derivative infinite by itself (backward_bound)
+        return headline(ov, oe) + "\n" + _singular_backward(view, ev, oe)
+    return headline(ov, oe) + "\n" + _backward_body(ev)
+
+
+def _singular_backward(view: RunView, ev: Event, oe: OpEvidence) -> str:
+    """A backward inf that no product of the recorded magnitudes reaches (:func:`backward_bound`)."""
+    f = ev.fields
+    name = module_label(str(f["module"]))
+    return (
+        f"At {_where(ev)}, the backward of {name} ({f['module_type']}) made {KIND_WORDS[ev.raw_kind]} in "
+        f"`{f['tensor']}` ({oe.dtype}): {oe.because}: a singular point, not an overflow. Clamp the forward input "
+        f"of {name} away from that point (`x.clamp_min(eps)`) or add eps to the denominator in its backward; a "
+        "loss scale or a wider dtype does not remove it."
+    )
 
 
 def _backward_body(ev: Event) -> str:
@@ -568,11 +583,27 @@ def _optimizer(view: RunView, ev: Event) -> str:
             "state): check the learning rate and the optimizer's hyper-parameters, and a custom optimizer's step()."
         )
     tiny = float(torch.finfo(getattr(torch, dtype)).smallest_normal)
-    adam = "adam" in str(view.meta.options.get("optimizer") or "adam").lower()
-    consts = "Adam's eps=1e-8 and squared gradients" if adam else "an optimizer's eps and squared gradients"
+    name = view.meta.options.get("optimizer")
+    adam = "adam" in str(name or "adam").lower()
+    if (
+        not adam
+    ):  # no eps and no squared gradients in its update: what the weights held says how far they were
+        prev = last_optimizer_row(_local(view), str(f["module"]), str(f["tensor"]), int(f["step"]))
+        held = (
+            f"`{f['tensor']}` had absmax {num(float(prev['absmax']))} after step {int(prev['step'])}, "
+            if prev is not None and math.isfinite(float(prev["absmax"]))
+            else ""
+        )
+        shown = f"learning rate {num(lr)}" if not math.isnan(lr) else "learning rate not recorded"
+        return (
+            f"{head} {name}.step() has no eps or squared gradients that round to 0: its update went beyond "
+            f"{dtype}'s {num(dmax)} ({held}{shown}) or made an invalid operation: check the learning rate and "
+            "weight decay (with no gradient, SGD's w·(1 − lr·weight_decay) grows |w| when lr·weight_decay > 2)."
+        )
+    consts = "Adam's eps=1e-8 and squared gradients"
     return (
         f"{head} In {dtype} small optimizer constants such as {consts} round to 0 (smallest normal {num(tiny)}): "
-        "keep float32 master weights" + (", or raise eps to ≥1e-4." if adam else ".")
+        "keep float32 master weights, or raise eps to ≥1e-4."
     )
 
 

@@ -182,6 +182,10 @@ def collapse(run: Facts, ev: Overflow | None, skip_run: list[int], then: Overflo
     summary = (
         f"The loss scale kept falling ({num(first)} → {num(last)}) over {len(skip_run)} skipped steps: the "
         "gradients overflow at every scale tried."
+        if len(skip_run) > 1
+        else f"The gradients overflowed at loss scale {num(first)}, the only scale tried (step {skip_run[0]}), and "
+        f"the GradScaler lowered it to {num(last)}"
+        + (": they overflow without loss scaling." if first <= 1 else ".")
     )
     return Diagnosis("loss_scale_collapse", ev, evidence, advice, summary)
 

@@ -331,8 +331,8 @@ def _unjudged(view: RunView, result: Diagnosis) -> Diagnosis:
     if result.cause == "loss_scale_collapse" and bool((steps["stale_grads"] > 0).any()):
         return result  # the stale-gradient rule decided, before any divergence rule
     oe = op_evidence(view, ov) if ov is not None and ov.phase == "forward" else None
-    if oe is not None and oe.what == WEIGHTS_HELD:
-        return result  # its weights held the value when the forward read them: no growth made it
+    if oe is not None and (oe.what == WEIGHTS_HELD or oe.op_class in ("singular", "mask_arithmetic")):
+        return result  # its weights held the value, or an op's singular point or a mask made it: not growth
     before = steps if ov is None else steps[steps["step"] < ov.step]
     watched = int((before["recorded"].astype(str) == "watch").sum())
     if not watched:

@@ -510,6 +510,17 @@ def test_loss_scale_collapse_scale_below_one() -> None:
     assert any("below 1" in e for e in d.evidence)
 
 
+def test_a_collapse_of_one_skip_says_one_scale_was_tried_not_that_the_scale_kept_falling() -> None:
+    tr = _collapse(1.0, 1)
+    assert tr.steps["skipped"].tolist() == [True] and tr.steps["next_scale"].tolist() == [0.5]
+    d = diagnose(tr)
+    assert d.cause == "loss_scale_collapse"
+    assert d.summary == (
+        "The gradients overflowed at loss scale 1, the only scale tried (step 0), and the GradScaler lowered it to "
+        "0.5: they overflow without loss scaling."
+    )
+
+
 def test_loss_scale_collapse_long_run_of_skips() -> None:
     tr = _collapse(2.0**14, 9)
     assert tr.steps["skipped"].tolist() == [True] * 9 and tr.steps["next_scale"].min() >= 1
@@ -1234,3 +1245,175 @@ def test_a_loss_gradient_overflowing_below_loss_scale_1_says_the_loss_is_too_lar
         "The gradient of the loss w.r.t. the outputs exceeds 65504 even below loss scale 1 (0.007812): the loss is "
         "too large (e.g. a sum over many elements); use a mean, divide it, or compute it in float32."
     ) in d.advice
+
+
+def test_a_nan_loss_recorded_after_its_backward_is_said_to_be_nan_not_unrecorded() -> None:
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with nantrace.trace(m, optimizer=opt) as tr:
+        for i in range(3):
+            valid = torch.full((8,), i != 2)  # step 2: no valid target, so the loss is 0/0
+            opt.zero_grad()
+            loss = ((m(torch.randn(8, 4)).squeeze(-1) - torch.randn(8)) ** 2 * valid).sum() / valid.sum()
+            loss.backward()
+            tr.step(loss=loss)  # as the README says, after the backward
+            opt.step()
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase, ov.tensor, ov.kind) == (2, "loss", "grad_output[0]", "nan")
+    d = tr.diagnose()
+    assert (
+        "loss value at step 2: NaN (float32), recorded after the backward that sent the gradient"
+        in d.evidence
+    )
+    assert d.advice[-1].startswith(
+        "The loss was NaN and so was the gradient it sent back to the model's outputs: "
+    )
+    assert not any("not recorded" in line for line in [*d.evidence, *d.advice])
+
+
+class _ScaledTable(nn.Module):
+    """Looks rows up in its own table and doubles them: its only input is integer indices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.full((10, 4), 40000.0, dtype=torch.float16))
+        self.out = nn.Linear(4, 1).half()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.out(self.table[idx] * 2)  # 80000 > 65504 in float16, between no submodule outputs
+
+
+def test_an_overflow_from_integer_inputs_says_no_floating_input_was_recorded_instead_of_an_absmax_of_n_a() -> (
+    None
+):
+    m = _ScaledTable()
+    with nantrace.trace(m) as tr:
+        loss = m(torch.tensor([1, 2])).float().sum()
+        loss.backward()
+        tr.step(loss=loss)
+    d = tr.diagnose()
+    assert d.cause == "forward_overflow"
+    assert d.evidence[0] == (
+        "the root model (_ScaledTable, call 0) at step 0 turned inputs with no recorded floating-point tensor (token "
+        "ids, indices) into inf in float16, whose largest finite value is 65504"
+    )
+    assert not [line for line in [*d.evidence, *d.advice] if "n/a" in line]
+
+
+class _SqrtFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = x.sqrt()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        return g / (2 * y)  # x/0 where the input was 0
+
+
+class _SqrtAct(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SqrtFn.apply(x)
+
+
+class _DivByZeroNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(4, 8, bias=False), _SqrtAct(), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x).abs()))
+
+
+def test_an_inf_in_a_parameterless_backward_that_no_product_reaches_is_a_singular_point_not_an_overflow() -> (
+    None
+):
+    torch.manual_seed(0)
+    m = _DivByZeroNet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with nantrace.trace(m, optimizer=opt) as tr:
+        for i in range(3):
+            x = torch.randn(16, 4) + 3
+            if i == 2:
+                x[5] = 0  # fc1's output row is exactly 0: sqrt's derivative 1/(2·0) is infinite
+            opt.zero_grad()
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            tr.step(loss=loss)
+            opt.step()
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase, ov.module, ov.tensor, ov.kind) == (
+        2, "backward", "act", "grad_input[0]", "inf",
+    )  # fmt: skip
+    assert ov.op_class == "singular"
+    d = tr.diagnose()
+    assert d.cause == "invalid_op"
+    assert d.summary == (
+        "The backward of `act` made +inf from finite gradients at step 2: a singular point of a derivative, not an "
+        "overflow."
+    )
+    assert d.evidence[0].startswith(
+        "the backward of `act` (_SqrtAct) at step 2 made +inf in `grad_input[0]` (float32): with no recorded "
+        "parameters, its incoming gradients (absmax "
+    )
+    assert not [a for a in d.advice if "clip" in a.lower() and "does not remove" not in a]
+
+
+def test_a_backward_inf_that_the_recorded_magnitudes_can_reach_stays_an_overflow() -> None:
+    # C14's kind: a Linear with large weights: its own parameters multiply the gradient, no bound is claimed
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)).half()
+    with torch.no_grad():
+        m[1].weight.fill_(400.0)
+        m[2].weight.fill_(30.0)
+    with nantrace.trace(m) as tr:
+        loss = m(torch.full((2, 8), 0.01, dtype=torch.float16)).float().sum() * 64
+        loss.backward()
+        tr.step(loss=loss)
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.phase, ov.kind) == ("backward", "inf")
+    assert tr.diagnose().cause == "backward_overflow"
+
+
+def _decayed_up(make: Any) -> nantrace.Trace:
+    """Pure float16 SGD with lr·weight_decay = 3 and gradients exactly 0: each step multiplies the weights by
+    1 − 3 = −2, so |w| = 2**(s + 1) after step s and step 15 makes 65536 > 65504."""
+    m = nn.Linear(4, 4).half()
+    with torch.no_grad():
+        m.weight.fill_(1.0)
+        m.bias.fill_(0.5)
+    opt = torch.optim.SGD(m.parameters(), lr=1.0, weight_decay=3.0)
+    with make(m, optimizer=opt) as tr:
+        for _ in range(17):
+            opt.zero_grad()
+            loss = (m(torch.zeros(2, 4, dtype=torch.float16)).float() * 0).sum()
+            loss.backward()
+            tr.step(loss=loss)
+            opt.step()
+    return tr
+
+
+def test_weights_grown_by_weight_decay_alone_are_not_told_to_clip_gradients_or_raise_eps() -> None:
+    tr = _decayed_up(nantrace.trace)
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase, ov.module, ov.tensor, ov.kind) == (
+        15, "optimizer", "", "weight", "inf",
+    )  # fmt: skip
+    assert str(ov).splitlines()[1] == (
+        "At step 15, gradients were finite but optimizer.step() made `weight` of the root model (Linear) +inf "
+        "(float16). SGD.step() has no eps or squared gradients that round to 0: its update went beyond float16's "
+        "65504 (`weight` had absmax 32768 after step 14, learning rate 1) or made an invalid operation: check the "
+        "learning rate and weight decay (with no gradient, SGD's w·(1 − lr·weight_decay) grows |w| when "
+        "lr·weight_decay > 2)."
+    )
+    d = tr.diagnose()
+    assert d.cause == "divergence"
+    assert (
+        "the gradient norm was exactly 0 at each of the 8 recorded step(s) before: the updates that grew the "
+        "weights did not come from gradients"
+    ) in d.evidence
+    assert [a for a in d.advice if a.startswith("Clip gradients:")] == []
+    assert d.advice[1].startswith("Clipping gradients cannot help: they were 0.")

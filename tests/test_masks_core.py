@@ -376,7 +376,9 @@ def test_logits_masked_with_masked_fill_minus_inf_are_no_fault_and_the_loss_over
         "cross-entropy with `label_smoothing`, a KL divergence p·(log p − log q) or a sum of log-probabilities, "
         "multiplies that -inf by a non-zero weight (inf) or by 0 (NaN). Leave the masked entries out of the loss: "
         "spread label smoothing over the allowed entries only, and sum p·log q where p > 0 (`torch.xlogy`, "
-        "`F.kl_div`); a finite stand-in for -inf (`torch.finfo(dtype).min`) keeps the loss finite but huge."
+        "`F.kl_div`); a finite stand-in for -inf (`torch.finfo(dtype).min`) keeps the loss finite but huge. If the "
+        "model masks nothing there, the -inf is a log of an exact 0 (a softmax that saturated, `log(softmax(x))` "
+        "written by hand): `torch.log_softmax` stays finite."
     )
     assert d.summary == "The model's outputs held only a mask's -inf but the loss was non-finite at step 0."
 

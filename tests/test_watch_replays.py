@@ -410,3 +410,33 @@ def test_a_gradient_from_outside_the_replayed_forward_is_not_blamed_on_the_optim
         in (str(ov))
     )
     assert tr.diagnose().cause == "backward_overflow"
+
+
+class _LogOfZero(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.relu(self.fc(x)) + 1.0 - self.cut)  # log of 0 where relu is 0 and cut is 1
+
+
+def test_a_singular_point_under_watch_gets_no_caveat_about_growth_on_watched_steps() -> None:
+    torch.manual_seed(0)
+    m = _LogOfZero()
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    with _watch(m, optimizer=opt) as tr:
+        for s in range(4):
+            m.cut = 1.0 if s == 3 else 0.0
+            loss = m(torch.randn(8, 4)).sum()
+            loss.backward()
+            tr.step(loss=loss)
+            opt.step()
+            opt.zero_grad()
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.step, ov.phase, ov.module) == (3, "forward", "")
+    d = tr.diagnose()
+    assert d.cause == "invalid_op"
+    assert not [
+        line for line in [*d.evidence, *d.advice] if "watched" in line or "Before changing dtypes" in line
+    ]
