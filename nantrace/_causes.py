@@ -615,14 +615,15 @@ def _singular_backward(run: Facts, ev: Overflow) -> Diagnosis:
     if skips:
         evidence.append(skips)
     advice = [
-        f"In the backward of {name}: a derivative is infinite at the values it saw (x/0 in a hand-written "
-        "backward, 1/sqrt(0), log at 0): clamp the forward input away from that point (`x.clamp_min(eps)`) or add "
-        "eps to the denominator. A loss scale, clipping or a wider dtype does not remove it.",
+        f"In the backward of {name}: a derivative at or near a singular point at the values it saw (x/0 or a tiny "
+        "denominator in a hand-written backward, 1/sqrt(0), log at 0): clamp the forward input away from that "
+        "point (`x.clamp_min(eps)`) or add eps to the denominator. A loss scale, clipping or a wider dtype does not "
+        "remove it.",
         "`torch.autograd.detect_anomaly()` on one step names the exact backward function.",
     ]
     summary = (
-        f"The backward of {name} made +inf from finite gradients at step {ev.step}: a singular point of a "
-        "derivative, not an overflow."
+        f"The backward of {name} made +inf from finite gradients at step {ev.step}: a derivative at or near a "
+        "singular point, not values growing too large."
     )
     return Diagnosis("invalid_op", ev, evidence, advice, summary)
 

@@ -989,8 +989,9 @@ def _classify_call(view: RunView, ov: Overflow, kind: str, beyond: bool) -> tupl
                 "singular",
                 f"with no recorded parameters, its incoming gradients (absmax {num(g)}) times its recorded inputs "
                 f"and outputs (absmax at most {num(a)}) summed over at most {n} elements stay below {num(b)}, far "
-                f"under {backward_dtype(view, ov)}'s max, so a derivative in its backward was itself infinite",
-                "an infinite derivative (x/0, 1/sqrt(0), log at 0)",
+                f"under {backward_dtype(view, ov)}'s max, so a derivative in its backward was far beyond any value "
+                "the forward saw",
+                "a derivative at or near a singular point (x/0 or a tiny denominator, 1/sqrt(0), log at 0)",
             )
         return (
             "overflow",
@@ -1039,7 +1040,8 @@ def backward_bound(view: RunView, ov: Overflow) -> tuple[float, float, int, floa
     the call (``grad_output``); ``a``: the largest finite absmax of its recorded forward inputs and outputs (at
     least 1); ``n``: the most elements of one of them (a bound on how many terms one gradient element sums).
     A backward that multiplies incoming gradients by values of the size the forward saw and sums them cannot
-    pass ``g·a·n``: an inf beyond it comes from a derivative that was itself infinite (a singular point)."""
+    pass ``g·a·n``: an inf beyond it comes from a derivative far larger than the values the forward saw, at or
+    near a singular point (x/0, a tiny denominator, 1/sqrt(0)), not from values growing too large."""
     if ov.phase != "backward" or ov.kind != "inf":
         return None
     r = _rank_rows(view.records, ov, _many(view))

@@ -514,9 +514,9 @@ def _singular_backward(view: RunView, ev: Event, oe: OpEvidence) -> str:
     name = module_label(str(f["module"]))
     return (
         f"At {_where(ev)}, the backward of {name} ({f['module_type']}) made {KIND_WORDS[ev.raw_kind]} in "
-        f"`{f['tensor']}` ({oe.dtype}): {oe.because}: a singular point, not an overflow. Clamp the forward input "
-        f"of {name} away from that point (`x.clamp_min(eps)`) or add eps to the denominator in its backward; a "
-        "loss scale or a wider dtype does not remove it."
+        f"`{f['tensor']}` ({oe.dtype}): {oe.because}: {oe.what}, not values growing too large. Clamp the forward "
+        f"input of {name} away from that point (`x.clamp_min(eps)`) or add eps to the denominator in its "
+        "backward; a loss scale or a wider dtype does not remove it."
     )
 
 

@@ -1352,8 +1352,8 @@ def test_an_inf_in_a_parameterless_backward_that_no_product_reaches_is_a_singula
     d = tr.diagnose()
     assert d.cause == "invalid_op"
     assert d.summary == (
-        "The backward of `act` made +inf from finite gradients at step 2: a singular point of a derivative, not an "
-        "overflow."
+        "The backward of `act` made +inf from finite gradients at step 2: a derivative at or near a singular point, "
+        "not values growing too large."
     )
     assert d.evidence[0].startswith(
         "the backward of `act` (_SqrtAct) at step 2 made +inf in `grad_input[0]` (float32): with no recorded "
