@@ -565,7 +565,11 @@ def _invalid_forward(run: Facts, ev: Overflow) -> Diagnosis:
     evidence = [
         f"{module_label(ev.module)} ({ev.module_type}, call {ev.call}) at {where} produced {what}, first seen{first} "
         f"in `{ev.tensor}`{f' of `{seen}`' if seen is not None else ''} ({dtype}), from inputs holding no {held} "
-        f"(finite absmax {num(finite_absmax(inputs))}, {f'{in_neginf} -inf value(s)' if in_neginf else 'no -inf'})"
+        + (
+            f"(finite absmax {num(finite_absmax(inputs))}, {f'{in_neginf} -inf value(s)' if in_neginf else 'no -inf'})"
+            if len(inputs)
+            else "(no recorded floating-point input: token ids, indices)"
+        )
     ]
     if oe.op is not None:
         evidence.append(f"the forward replay names the op: `{oe.op}`")
@@ -584,8 +588,9 @@ def _invalid_forward(run: Facts, ev: Overflow) -> Diagnosis:
         advice += class_advice(oe, ev.module, scaled=run.has_scaler())
     if not advice:
         advice.append(
-            f"Find the invalid op in {module_label(ev.module)}'s forward (0/0, 0·inf, inf−inf, sqrt/log of a "
-            "negative): add eps to denominators and clamp arguments of sqrt/log."
+            f"Find the invalid op in {module_label(ev.module)}'s forward or its forward hooks (0/0, 0·inf, inf−inf, "
+            "sqrt/log of a negative, or a NaN written as a constant: `x[i] = float('nan')`): add eps to "
+            "denominators and clamp arguments of sqrt/log."
         )
     in_hook = f" in your {oe.hook}" if oe.hook is not None else ""
     op = f" (`{oe.op}`{in_hook}: {oe.what})" if oe.op is not None else f" ({oe.what})"

@@ -1020,7 +1020,11 @@ def _classify_call(view: RunView, ov: Overflow, kind: str, beyond: bool) -> tupl
             return "invalid", _HELD_INF, "inf − inf, 0·inf or inf/inf"
         if neg:
             return "mask_arithmetic", "its inputs held -inf (a mask)", "a fully masked row"
-        return "invalid", "its inputs held no inf/NaN", "0/0, 0·inf or inf − inf inside the call"
+        return (
+            "invalid",
+            "its inputs held no inf/NaN",
+            "0/0, 0·inf or inf − inf inside the call, or a NaN written as a constant",
+        )
     if neg and not pos:
         return (
             "mask_arithmetic",
@@ -1507,8 +1511,10 @@ def class_advice(ev: OpEvidence, module: str, *, scaled: bool = False) -> list[s
             )
         else:
             out.append(
-                f"Find the invalid op in {name}'s forward (0/0, 0·inf, inf − inf, sqrt/log of a negative): add "
-                "eps to denominators and clamp arguments of sqrt/log."
+                f"Find the invalid op in {name}'s forward or its forward hooks (0/0, 0·inf, inf − inf, sqrt/log of a "
+                "negative): add eps to denominators and clamp arguments of sqrt/log. The forward replay names an op "
+                "that makes NaN from finite operands; it names none for a NaN written as a constant (`x[i] = "
+                "float('nan')`, `fill_(nan)`), so look for one of those if no op is named."
             )
     elif ev.op_class == "mask_arithmetic":
         if base in _ARITH - {"masked_fill", "where", "fill"}:  # the mask was added or multiplied in

@@ -1417,3 +1417,33 @@ def test_weights_grown_by_weight_decay_alone_are_not_told_to_clip_gradients_or_r
     ) in d.evidence
     assert [a for a in d.advice if a.startswith("Clip gradients:")] == []
     assert d.advice[1].startswith("Clipping gradients cannot help: they were 0.")
+
+
+def test_a_nan_written_as_a_constant_by_a_hook_is_named_as_one_possibility_not_only_arithmetic() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
+
+    def poison(mod: nn.Module, args: Any, out: torch.Tensor) -> None:
+        out[0, 0] = float("nan")  # no op makes it from finite operands: a constant written in place
+
+    m[0].register_forward_hook(poison)
+    with nantrace.trace(m) as tr:
+        loss = m(torch.tensor([1, 2])).sum()
+        loss.backward()
+        tr.step(loss=loss)
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.phase, ov.module, ov.tensor, ov.kind) == ("forward", "0", "output", "nan")
+    d = tr.diagnose()
+    assert d.cause == "invalid_op"
+    assert d.headline == (
+        "step 0 forward: `0` (Embedding) made NaN by an invalid operation: 0/0, 0·inf or inf − inf inside the call, "
+        "or a NaN written as a constant (float32)"
+    )
+    assert d.evidence[0] == (
+        "`0` (Embedding, call 0) at step 0 produced NaN, first seen in `output` (float32), from inputs holding no NaN "
+        "(no recorded floating-point input: token ids, indices)"
+    )
+    assert any(
+        "it names none for a NaN written as a constant (`x[i] = float('nan')`, `fill_(nan)`)" in a
+        for a in d.advice
+    )
