@@ -814,12 +814,27 @@ def backward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
     fwd_in = run.rows_of(ev.step, "forward", module=ev.module, prefix="input")
     if len(fwd_in):
         evidence.append(f"its forward input absmax was {num(finite_absmax(fwd_in))}")
+    param_grad = ev.tensor.endswith(".grad")
+    calls = run.rows_of(ev.step, "forward", module=ev.module, prefix="output")
+    calls = calls[calls["micro_step"].to_numpy() == ev.micro_step] if len(calls) else calls
+    n_calls = int(calls["call"].nunique()) if len(calls) else 0
+    if param_grad and n_calls > 1:  # autograd sums every use's share before it reaches .grad
+        evidence.append(
+            f"{module_label(ev.module)} ran {n_calls} times in this micro-step: `{ev.tensor}` is the sum of the "
+            "shares of those calls, so the overflow can be their sum, not one call's product"
+        )
+    # a parameter's gradient is the incoming gradient times the forward input; an input's is it times the weights
+    factor = (
+        "large inputs or incoming gradients multiply into it"
+        if param_grad
+        else "large weights multiply the incoming gradient"
+    )
     advice = range_advice(run, ev.module, dtype, ev, backward=True)
     if math.isnan(scale):
         advice.insert(
             0,
             f"With no GradScaler (scale 1) the gradient of {module_label(ev.module)} itself exceeds "
-            f"{num(dtype_max(dtype))}: check its weights (large weights multiply the incoming gradient), keep it "
+            f"{num(dtype_max(dtype))}: check {'its inputs' if param_grad else 'its weights'} ({factor}), keep it "
             "in float32, or scale the loss down (`(loss / 1024).backward()`, then multiply the float32 gradients "
             "back before the optimizer step).",
         )
@@ -827,7 +842,8 @@ def backward_overflow(run: Facts, ev: Overflow) -> Diagnosis:
         advice.insert(
             0,
             f"Clip gradients after `scaler.unscale_(optimizer)` (`torch.nn.utils.clip_grad_norm_(params, 1.0)`) "
-            f"and check the weights of {module_label(ev.module)}: its gradient overflows at loss scale {num(scale)}.",
+            f"and check the {'inputs' if param_grad else 'weights'} of {module_label(ev.module)}: its gradient "
+            f"overflows at loss scale {num(scale)}.",
         )
     summary = (
         f"The backward of {module_label(ev.module)} ({ev.module_type}) overflowed {dtype} at {step_words(ev)}; "

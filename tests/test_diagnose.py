@@ -1447,3 +1447,41 @@ def test_a_nan_written_as_a_constant_by_a_hook_is_named_as_one_possibility_not_o
         "it names none for a NaN written as a constant (`x[i] = float('nan')`, `fill_(nan)`)" in a
         for a in d.advice
     )
+
+
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + self.proj(x * 1.0)
+
+
+def test_a_weight_gradient_summed_over_two_calls_says_so_and_points_at_inputs_not_weights() -> None:
+    m = _Twice().half()
+    with torch.no_grad():
+        m.proj.weight.fill_(1.0)
+    with nantrace.trace(m) as tr:
+        out = m(torch.full((1, 4), 200.0, dtype=torch.float16))
+        out.backward(
+            torch.full_like(out, 200.0)
+        )  # each call's share of weight.grad: 200·200 = 40000; sum 80000
+        tr.step(loss=None)
+    ov = tr.first_overflow()
+    assert ov is not None and (ov.phase, ov.module, ov.tensor, ov.kind) == (
+        "backward",
+        "proj",
+        "weight.grad",
+        "inf",
+    )
+    d = tr.diagnose()
+    assert d.cause == "backward_overflow"
+    assert (
+        "`proj` ran 2 times in this micro-step: `weight.grad` is the sum of the shares of those calls, so the "
+        "overflow can be their sum, not one call's product"
+    ) in d.evidence
+    assert d.advice[0].startswith(
+        "With no GradScaler (scale 1) the gradient of `proj` itself exceeds 65504: check its inputs (large inputs or "
+        "incoming gradients multiply into it)"
+    )
