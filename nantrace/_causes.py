@@ -727,8 +727,8 @@ def _loss_kind(loss_rows: pd.DataFrame, micro: int) -> str | None:
     """``"NaN"``, ``"+inf"`` or ``"-inf"`` when the recorded loss of micro-step ``micro`` held that (the first of
     NaN, +inf, -inf it held); None when no loss was recorded there or it was finite."""
     rows = loss_rows[loss_rows["micro_step"].to_numpy() == micro] if len(loss_rows) else loss_rows
-    for col, word in (("n_nan", "NaN"), ("n_posinf", "+inf"), ("n_neginf", "-inf")):
-        if len(rows) and int(rows[col].sum()):
+    for kind, word in _KIND_NAMES.items():
+        if len(rows) and int(rows[f"n_{kind}"].sum()):
             return word
     return None
 

@@ -243,7 +243,7 @@ FAULT_RULES: tuple[Rule, ...] = (
     Rule("data", lambda run, ev: ev.phase == "forward" and c.leaked_masks(run, ev) is not None, _mask_leak),
     Rule("forward_overflow", _forward_overflow, c.forward_overflow),
     Rule("invalid_op", lambda run, ev: ev.phase == "forward", c.invalid_op),
-    Rule("backward_overflow", lambda run, ev: _backward_overflow(run, ev), c.backward_overflow),
+    Rule("backward_overflow", _backward_overflow, c.backward_overflow),
     Rule("invalid_op", lambda run, ev: ev.phase == "backward", c.invalid_op),
     Rule("optimizer", lambda run, ev: True, c.optimizer),
 )

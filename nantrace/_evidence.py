@@ -508,16 +508,8 @@ def handed_in(view: RunView, ov: Overflow) -> bool:
     the model (the data, or the loop's own code between module calls), not by a module's forward."""
     if ov.phase != "forward" or not ov.tensor.startswith("input") or ov.module == "":
         return False
-    r = _rank_rows(view.records, ov, _many(view))
-    m = (
-        (r["step"].to_numpy() == ov.step)
-        & (r["micro_step"].to_numpy() == ov.micro_step)
-        & (r["phase"].astype(str).to_numpy() == "forward")
-        & (r["module"].astype(str).to_numpy() == ov.module)
-        & (r["call"].to_numpy() == ov.call)
-        & (r["tensor"].astype(str).to_numpy() == ov.tensor)
-    )
-    rows = r[m]
+    rows = call_input_rows(view, ov)
+    rows = rows[rows["tensor"].astype(str).to_numpy() == ov.tensor] if len(rows) else rows
     if not len(rows) or not bool(pd.isna(rows["parent"]).all()):
         return False
     # the call's input itself held the value (not a child's input named by rule 2 as the enclosing call's)

@@ -585,9 +585,8 @@ def _optimizer(view: RunView, ev: Event) -> str:
     tiny = float(torch.finfo(getattr(torch, dtype)).smallest_normal)
     name = view.meta.options.get("optimizer")
     adam = "adam" in str(name or "adam").lower()
-    if (
-        not adam
-    ):  # no eps and no squared gradients in its update: what the weights held says how far they were
+    # no eps and no squared gradients in its update: what the weights held says how far they were
+    if not adam:
         prev = last_optimizer_row(_local(view), str(f["module"]), str(f["tensor"]), int(f["step"]))
         held = (
             f"`{f['tensor']}` had absmax {num(float(prev['absmax']))} after step {int(prev['step'])}, "

@@ -74,6 +74,11 @@ def _chunk_mask(chunk: dict[str, Any], store: Store) -> Any:
     )
 
 
+def _api(options: dict[str, Any]) -> str:
+    """``"nantrace.watch"`` or ``"nantrace.trace"``: the function a recording with ``options`` was made by."""
+    return "nantrace.watch" if "watch" in options else "nantrace.trace"
+
+
 def _got(obj: Any, base: type) -> str:
     """What a wrong argument was, in words: a class of the right kind passed instead of an instance says so."""
     if isinstance(obj, type):
@@ -327,9 +332,10 @@ class Recording:
         Raises:
             NantraceError: used twice, or the model is already hooked by another active trace.
         """
-        api = "nantrace.watch" if "watch" in self.options else "nantrace.trace"
         if self.entered:
-            raise NantraceError(f"this Trace has already been used; create a new one with {api}(model)")
+            raise NantraceError(
+                f"this Trace has already been used; create a new one with {_api(self.options)}(model)"
+            )
         for _, m in [*self.selected, (self.root_name, self.root)]:
             if _ACTIVE.get(m) is not None:
                 raise NantraceError(
@@ -356,9 +362,8 @@ class Recording:
             self._detach()
             self.closed = True
             if not failed and not self.store.chunks and not len(self.store.step_rows):
-                api = "nantrace.watch" if "watch" in self.options else "nantrace.trace"
                 warnings.warn(
-                    f"{api} recorded nothing: no forward call of the traced {self.model_class} and no "
+                    f"{_api(self.options)} recorded nothing: no forward call of the traced {self.model_class} and no "
                     "scaler/optimizer step happened inside `with`. Is the traced model the one the loop calls?",
                     stacklevel=user_stacklevel(),
                 )

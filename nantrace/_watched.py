@@ -123,7 +123,7 @@ def _unreproduced_message(note: dict[str, Any], k: str) -> str:
         else ""
     )
     if note.get("weights_changed"):
-        micro = ", ".join(str(k) for k in note["weights_changed"])
+        micro = ", ".join(str(i) for i in note["weights_changed"])
         changed += (
             f" The model's parameters had been written in place after the forward of micro-step(s) {micro} "
             "(before the replay, which runs before optimizer.step()), so the replay could not compute what "
@@ -135,27 +135,27 @@ def _unreproduced_message(note: dict[str, Any], k: str) -> str:
         f"{note['tensor']} of {where})"
     )
     if note.get("no_forward"):
-        message = (
+        return (
             f"{saw}, but did not replay the step: the loop did not call the watched model in it (it called "
             "submodules itself), so there was no forward to replay and its producer is unknown: this is "
             "where the sentinel detected it. Trace that step with nantrace.trace() to name the producer."
         )
-    elif note.get("recorded") == "not_replayed":
-        message = (
+    if note.get("recorded") == "not_replayed":
+        return (
             f"{saw}, but did not replay the step: the model holds FSDP or DDP modules, whose forward and "
             "backward issue collectives that the other ranks would never join, so its producer is unknown: "
             "this is where the sentinel detected it. Trace that step with nantrace.trace() on every rank "
             "to name the producer."
         )
-    elif note.get("replay_failed"):
-        message = (
+    if note.get("replay_failed"):
+        return (
             f"{saw}, but replaying the step raised {note['replay_failed']} (forward or hook code that ran "
             "again), so its producer is unknown: this is where the sentinel detected it. Trace that step with "
             "nantrace.trace() to name the producer."
         )
-    elif note.get("replay_unused") and not (note.get("inputs_changed") or note.get("weights_changed")):
-        micro = ", ".join(str(k) for k in note.get("outputs_differ", []))
-        message = (
+    if note.get("replay_unused") and not (note.get("inputs_changed") or note.get("weights_changed")):
+        micro = ", ".join(str(i) for i in note.get("outputs_differ", []))
+        return (
             f"{saw}, but the replayed forward of micro-step(s) {micro} computed other outputs than the real "
             "one (their smallest or largest value differ): what the forward reads had changed since (a call "
             "counter or flag of a module or of the loop, a buffer the forward updates, the training flag, "
@@ -163,15 +163,15 @@ def _unreproduced_message(note: dict[str, Any], k: str) -> str:
             "this step's and are not used: its producer is unknown: this is where the sentinel detected it. "
             "Trace that step with nantrace.trace() to name the producer."
         )
-    elif note.get("replay_unused"):
-        message = (
+    if note.get("replay_unused"):
+        return (
             f"{saw}, but its {_written_what(note)} written in place after the forward, so the values its "
             f"replay recorded are not this step's and are not used: its producer is unknown: this is where "
             f"the sentinel detected it.{changed} Trace that step with nantrace.trace() to name the producer, "
             "or write those tensors only after the step."
         )
-    elif note.get("replay_first") and note["phase"] not in ("data", "forward"):
-        message = (
+    if note.get("replay_first") and note["phase"] not in ("data", "forward"):
+        return (
             f"{saw}, but the replay recorded none in the {note['phase']} phase: its first non-finite value was "
             f"in the {note['replay_first']} phase (a consequence of the real step), so the producer is "
             f"unknown: this is where the sentinel detected it.{changed} A gradient that reached the parameters "
@@ -179,21 +179,19 @@ def _unreproduced_message(note: dict[str, Any], k: str) -> str:
             "non-deterministic kernels make a replay differ; trace that step with nantrace.trace() to name "
             "the producer."
         )
-    elif note.get("replay_first"):
-        message = (
+    if note.get("replay_first"):
+        return (
             f"{saw}, but the replayed forward held none: the replay's first non-finite value was in the "
             f"{note['replay_first']} phase (a consequence of the real step, as its loss), so the producer is "
             f"unknown: this is where the sentinel detected it.{changed} A forward that depends on Python state "
             "(a call counter, a flag set by the loop) or non-deterministic kernels make a replay differ; trace "
             "that step with nantrace.trace() to name the producer."
         )
-    else:
-        message = (
-            f"{saw}, but replaying the step recorded no non-finite value, so its producer is unknown: this is "
-            f"where the sentinel detected it.{changed} Non-deterministic kernels or inputs changed after the "
-            "forward make a replay differ; trace that step with nantrace.trace() to name the producer."
-        )
-    return message
+    return (
+        f"{saw}, but replaying the step recorded no non-finite value, so its producer is unknown: this is "
+        f"where the sentinel detected it.{changed} Non-deterministic kernels or inputs changed after the "
+        "forward make a replay differ; trace that step with nantrace.trace() to name the producer."
+    )
 
 
 def unreproduced(view: RunView, kind: str | None = None) -> list[Overflow]:
