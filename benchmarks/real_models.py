@@ -211,7 +211,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=4, help="steps per copy per round (4)")
-    p.add_argument("--first", type=int, default=4, help="the first steps of a fresh trace measured (4)")
+    p.add_argument(
+        "--first", type=int, default=4, help="the first steps of a fresh trace measured (4; 0: not)"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--models", default="gpt2,bert,roberta,resnet18,convnext")
     args = p.parse_args()
@@ -225,7 +227,7 @@ def main() -> None:
     ratios, firsts = [], []
     for name in args.models.split(","):
         got = steady(name, args.rounds, args.steps)
-        first = first_steps(name, max(3, args.rounds // 2), args.first)
+        first = first_steps(name, max(3, args.rounds // 2), args.first) if args.first > 0 else math.nan
         ratios.append(got["ratio"])
         firsts.append(first)
         print(
@@ -235,7 +237,11 @@ def main() -> None:
         )
     print(
         f"median ratio over {len(ratios)} architectures: {statistics.median(ratios):.2f}× "
-        f"(first {args.first} steps of a fresh trace: {statistics.median(firsts):.2f}×)"
+        + (
+            f"(first {args.first} steps of a fresh trace: {statistics.median(firsts):.2f}×)"
+            if args.first > 0
+            else ""
+        )
     )
     with contextlib.suppress(OSError):
         print("load average at the end {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))

@@ -67,8 +67,6 @@ __all__ = [
     "set_call_site",
     "user_line",
     "user_stacklevel",
-    "zero_counts",
-    "zero_fraction",
 ]
 
 CAST_OP = "aten._to_copy"  # the name the drill-down gives a dtype cast it saw make a kind (autocast's casts)
@@ -502,18 +500,23 @@ def _host_stats(
     return out
 
 
-def headroom_fraction(items: list[tuple[str, Any]], stats_of: Callable[[Any], Any]) -> float | None:
-    """The largest ``log2(absmax) / log2(dtype max)`` over the describable float16/bfloat16/float32 tensors of
-    ``items`` (their host statistics, index 2 is ``absmax``): above 1/2 squaring the tensor overflows its
-    dtype, above 1/3 cubing it does. None when a statistic is missing."""
-    stats = _host_stats(items, stats_of)
-    if stats is None:
+_LOG2_MAX: dict[torch.dtype, float] = {}
+
+
+def headroom_fraction(hits: list[tuple[torch.Tensor, Any]] | None) -> float | None:
+    """The largest ``log2(absmax) / log2(dtype max)`` over the tensors of ``hits`` (``(tensor, cache entry)``,
+    the entry's index 2 its host statistics, whose index 2 is ``absmax``): above 1/2 squaring the tensor
+    overflows its dtype, above 1/3 cubing it does. None when ``hits`` is None (a statistic is missing)."""
+    if hits is None:
         return None
     best = 0.0
-    for t, s in stats:
-        absmax = float(s[2])
+    for t, hit in hits:
+        absmax = float(hit[2][2])
         if absmax > 1.0 and math.isfinite(absmax):
-            best = max(best, math.log2(absmax) / math.log2(float(torch.finfo(t.dtype).max)))
+            top = _LOG2_MAX.get(t.dtype)
+            if top is None:
+                top = _LOG2_MAX[t.dtype] = math.log2(float(torch.finfo(t.dtype).max))
+            best = max(best, math.log2(absmax) / top)
     return best
 
 
@@ -613,24 +616,17 @@ class Suspects:
         self.plain: dict[Any, str] = {}  # call key -> "own" / "children": a replay made no intermediate value
         self.mixed: set[Any] = set()  # call keys whose replay made an intermediate value: never passed over
 
-    def check(
-        self,
-        mcode: int,
-        ins: list[tuple[str, Any]],
-        output: Any,
-        stats_of: Callable[[Any], Any],
-        upstream: Callable[[torch.Tensor], ZeroCounts | None] | None = None,
-    ) -> bool:
-        """True when a signal is at a new high for module ``mcode`` (``stats_of(t)``: a tensor's host stats).
-        ``upstream(t)``: for an output tensor that is, unchanged, a child call's output, the zero counts of what
-        reached that child, which the zeros signal counts in place of the output's own (None: its own)."""
-        out = zero_fraction(list(flatten(output, "o")), stats_of, upstream)
-        zin = zero_fraction(ins, stats_of)
+    def check(self, mcode: int, out_zeros: float | None, in_zeros: float | None, reach: float | None) -> bool:
+        """True when a signal is at a new high for module ``mcode``: ``out_zeros``, the fraction of zeros its
+        outputs held (for an output that is, unchanged, a child call's output, what reached that child);
+        ``in_zeros``, that of its inputs; ``reach``, the inputs' :func:`headroom_fraction`. None: not known (a
+        statistic not recorded, or not on the host)."""
         zeros_high = self.zero_high.get(mcode, 0.0)
-        hit = out is not None and zin is not None and out > zin and out > zeros_high
-        if out is not None:
-            self.zero_high[mcode] = max(zeros_high, out)
-        reach = headroom_fraction(ins, stats_of)
+        hit = (
+            out_zeros is not None and in_zeros is not None and out_zeros > in_zeros and out_zeros > zeros_high
+        )
+        if out_zeros is not None:
+            self.zero_high[mcode] = max(zeros_high, out_zeros)
         if reach is not None and reach > self.reach_high.get(mcode, _REACH):
             # the next replay of this module waits for its input absmax to double again (1/16 of float16's
             # 16 exponent bits of range), so a steadily growing activation costs a replay per doubling only
@@ -848,35 +844,3 @@ def leaf_key(module: torch.nn.Module, args: Any, kwargs: Any) -> tuple[Any, ...]
 
 
 ZeroCounts = tuple[int, int]  # (zero elements, elements) over some tensors
-
-
-def zero_counts(
-    items: list[tuple[str, Any]],
-    stats_of: Callable[[Any], Any],
-    upstream: Callable[[torch.Tensor], ZeroCounts | None] | None = None,
-) -> ZeroCounts | None:
-    """``(zeros, elements)`` over the describable tensors of ``items``, from their host statistics (``stats_of(t)``:
-    a tuple whose index 7 is ``n_zero``, or None when not recorded); None when any is missing. ``upstream(t)``,
-    when given and not None for a tensor, replaces that tensor's own counts (:meth:`Suspects.check`)."""
-    stats = _host_stats(items, stats_of)
-    if stats is None:
-        return None
-    zeros = total = 0
-    for t, s in stats:
-        counts = upstream(t) if upstream is not None else None
-        if counts is None:
-            counts = (int(s[7]), t.numel())
-        zeros += counts[0]
-        total += counts[1]
-    return zeros, total
-
-
-def zero_fraction(
-    items: list[tuple[str, Any]],
-    stats_of: Callable[[Any], Any],
-    upstream: Callable[[torch.Tensor], ZeroCounts | None] | None = None,
-) -> float | None:
-    """The fraction of zero elements over the describable tensors of ``items`` (:func:`zero_counts`); None when
-    a statistic is missing or there is no element."""
-    counts = zero_counts(items, stats_of, upstream)
-    return counts[0] / counts[1] if counts is not None and counts[1] else None

@@ -32,12 +32,12 @@ from ._drill import (
     ZeroCounts,
     call_key,
     drill_call,
+    headroom_fraction,
     leaf_key,
-    zero_counts,
 )
 from ._naming import positional_names
 from ._schema import PHASE_CODE
-from ._stats import describable, is_clean_host, stats_device, stats_host
+from ._stats import describable, is_clean_host, stats_device, stats_host, stats_host_many
 from ._store import PendingStep, Store
 from ._tree import flatten_list
 
@@ -50,10 +50,12 @@ __all__ = [
     "graph_task",
     "in_backward",
     "kinds_of_stats",
+    "prime",
 ]
 
 _KIND_COLS = ((4, "nan"), (5, "posinf"), (6, "neginf"))
 _CLEAN: frozenset[str] = frozenset()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types whose statistics Recorder.prime may compute
 # per output tensor's statistics event (_note_reached): the open calls around its maker, the event of the maker's
 # one tensor input and that input's zero counts (None, None: a maker the walk cannot see through)
 Reached = tuple[tuple[tuple[int, int], ...], int | None, ZeroCounts | None]
@@ -490,6 +492,39 @@ class Recorder:
         return _own(eager(pre)), _own(eager(post))
 
 
+def prime(rec: Recorder, tensors: list[torch.Tensor]) -> None:
+    """Compute the statistics of many CPU tensors that are about to be recorded one by one, in that order,
+    together (:func:`~nantrace._stats.stats_host_many`: the small ones of a dtype in one pass), and cache them
+    in ``rec`` as :meth:`Recorder.add` would have: the same numbers and, for the same order of ``add`` calls,
+    the same event ids. Only on a full step's host path; a tensor ``add`` would not compute (cached, an
+    inference tensor, not describable, a shard) is left to it, and nothing is cached when a statistic runs out
+    of memory."""
+    if rec.sync_free or rec.light:
+        return
+    todo: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for t in tensors:
+        if (
+            type(t) in _PLAIN
+            and t.is_cpu
+            and describable(t)
+            and not t.is_inference()
+            and id(t) not in seen
+            and rec.cache.get(id(t)) is None
+        ):
+            seen.add(id(t))
+            todo.append(t)
+    if len(todo) < 2:
+        return
+    try:
+        stats = stats_host_many(todo)
+    except (torch.OutOfMemoryError, MemoryError):
+        return
+    for t, got in zip(todo, stats, strict=True):
+        rec.event += 1
+        rec.cache[id(t)] = (weakref.ref(t), t._version, got, rec.event)
+
+
 def _watch_grads(
     rec: Recorder,
     phase: str,
@@ -549,16 +584,24 @@ def _finite_call(
     """A finite call ``at`` = ``(module code, call)`` with output ``out``: replayed (:meth:`Recorder.replay`,
     ``transient``) when a signal is at a new high (:meth:`nantrace._drill.Suspects.check`), its inputs were left
     unchanged, and no earlier replay under its call key or leaf key showed it cannot hide a transient inf
-    (:meth:`nantrace._drill.Suspects.skips`)."""
+    (:meth:`nantrace._drill.Suspects.skips`).
+
+    Runs after every finite call of a full step, so each tensor's cached statistics are looked up once
+    (:func:`_hit`) and the signals (zero fractions of the outputs and inputs, the inputs' headroom) and the
+    upstream note (:func:`_note_reached`) are read from those lookups."""
     mcode, call = at
-    cached = functools.partial(_cached, rec.cache)
-    upstream = functools.partial(_upstream, rec.reached, rec.cache, at)
+    cache = rec.cache
     unchanged = _same(ins, versions)
-    suspect = rec.suspects.check(mcode, ins, out, cached, upstream) and unchanged
+    in_hits = [(t, _hit(cache, t)) for _, t in ins if describable(t)]
+    out_hits = [(t, _hit(cache, t)) for _, t in flatten_list(out, "o") if describable(t)]
+    in_host = _host_only(in_hits)
+    out_zeros = _zero_fraction(_host_only(out_hits), rec.reached, at)
+    signal = rec.suspects.check(mcode, out_zeros, _zero_fraction(in_host), headroom_fraction(in_host))
     if rec.stack:
-        _note_reached(rec.reached, rec.cache, out, ins if unchanged else [], tuple(k[:2] for k in rec.stack))
-    if not suspect:
+        _note_reached(rec.reached, out_hits, in_hits if unchanged else [], tuple(k[:2] for k in rec.stack))
+    if not (signal and unchanged):
         return
+    cached = functools.partial(_cached, cache)
     key, leaf = call_key(mcode, module, args, kwargs), leaf_key(module, args, kwargs)
     # no child output recorded in the micro-step held a kind beyond the call's inputs', none was dropped
     children = rec.seen_kinds <= in_kinds and rec.dropped_records == 0
@@ -566,6 +609,47 @@ def _finite_call(
         return  # an earlier replay of such a call made no intermediate value: nothing to name
     if rec.replay(module, args, kwargs, in_kinds, mcode, call, transient=True, key=key, leaf=leaf):
         rec.covered.update(k[:2] for k in rec.stack)  # the calls around it see the same value
+
+
+#: A cache entry of :class:`Recorder` (weak reference, version, statistics, event id) for a tensor.
+_Hit = tuple[Any, int, Any, int]
+
+
+def _hit(cache: dict[int, Any], t: torch.Tensor) -> _Hit | None:
+    """The cache entry of the statistics the step computed for ``t`` while unchanged, or None."""
+    hit = cache.get(id(t))
+    if hit is None or hit[0]() is not t or hit[1] != _version(t):
+        return None
+    return hit
+
+
+def _host_only(hits: list[tuple[torch.Tensor, _Hit | None]]) -> list[tuple[torch.Tensor, _Hit]] | None:
+    """``hits`` when every tensor has host statistics (a tuple), else None (one not recorded, or still a device
+    tensor)."""
+    for _, h in hits:
+        if h is None or isinstance(h[2], torch.Tensor):
+            return None
+    return hits  # type: ignore[return-value]
+
+
+def _zero_fraction(
+    hits: list[tuple[torch.Tensor, _Hit]] | None,
+    reached: dict[int, Reached] | None = None,
+    at: tuple[int, int] = (-1, -1),
+) -> float | None:
+    """The fraction of zero elements over the tensors of ``hits`` (index 7 of their statistics is ``n_zero``);
+    None when a statistic is missing or there is no element. With ``reached``, an output that is, unchanged, the
+    output of a call made inside ``at`` counts what reached that call instead (:func:`_upstream`)."""
+    if hits is None:
+        return None
+    zeros = total = 0
+    for t, h in hits:
+        counts = _upstream(reached, at, h[3]) if reached is not None else None
+        if counts is None:
+            counts = (int(h[2][7]), t.numel())
+        zeros += counts[0]
+        total += counts[1]
+    return zeros / total if total else None
 
 
 def _light_inputs(
@@ -670,15 +754,13 @@ def _cached(cache: dict[int, Any], t: torch.Tensor) -> Any:
     return hit[2] if hit is not None and hit[0]() is t and hit[1] == _version(t) else None
 
 
-def _upstream(
-    reached: dict[int, Reached], cache: dict[int, Any], call: tuple[int, int], t: torch.Tensor
-) -> ZeroCounts | None:
-    """For an output tensor ``t`` of ``call`` that is, unchanged, the output of a call made inside ``call``
-    (:func:`_note_reached`): walk back through such calls, each to its one tensor input, while that input is
-    itself the output of such a call, and return the zero counts of the value reached (the zeros that reached
-    the chain: made by ``call``'s own code or in its inputs). None (the output's own zeros count, as without
-    the walk) when ``t`` is no such output or the walk meets a call it cannot see through."""
-    event = _event(cache, t)
+def _upstream(reached: dict[int, Reached], call: tuple[int, int], event: int | None) -> ZeroCounts | None:
+    """For the output tensor of ``call`` whose statistics have the id ``event``, when it is, unchanged, the
+    output of a call made inside ``call`` (:func:`_note_reached`): walk back through such calls, each to its one
+    tensor input, while that input is itself the output of such a call, and return the zero counts of the value
+    reached (the zeros that reached the chain: made by ``call``'s own code or in its inputs). None (the output's
+    own zeros count, as without the walk) when it is no such output or the walk meets a call it cannot see
+    through."""
     counts = None
     while event is not None:
         hit = reached.get(event)
@@ -692,35 +774,24 @@ def _upstream(
 
 def _note_reached(
     reached: dict[int, Reached],
-    cache: dict[int, Any],
-    output: Any,
-    ins: list[tuple[str, Any]],
+    outs: list[tuple[torch.Tensor, _Hit | None]],
+    ins: list[tuple[torch.Tensor, _Hit | None]],
     around: tuple[tuple[int, int], ...],
 ) -> None:
-    """Note, for each output tensor of a finite call, the calls ``around`` it and, when the call has exactly one
-    tensor input (``ins``; empty when the call changed an input in place), that input with its zero counts, by
-    the event ids of their statistics, so nothing is kept alive and the walk of :func:`_upstream` can pass
-    through tensors freed since. Otherwise the call is opaque to the walk: counted over several inputs, zeros
-    made upstream would be diluted by the other inputs' elements."""
-    tensors = [t for _, t in ins if describable(t)]
-    before = _event(cache, tensors[0]) if len(tensors) == 1 else None
-    counts = (
-        zero_counts([("input", tensors[0])], functools.partial(_cached, cache))
-        if before is not None
-        else None
-    )
-    if counts is None:
-        before = None
-    for _, t in flatten_list(output, "o"):
-        event = _event(cache, t) if describable(t) else None
-        if event is not None and event != before:
-            reached[event] = (around, before, counts)
-
-
-def _event(cache: dict[int, Any], t: torch.Tensor) -> int | None:
-    """The event id of the statistics the step computed for ``t`` while unchanged (the Recorder's cache)."""
-    hit = cache.get(id(t))
-    return hit[3] if hit is not None and hit[0]() is t and hit[1] == _version(t) else None
+    """Note, for each output tensor of a finite call (``outs``: its describable outputs and their cache entries,
+    :func:`_hit`), the calls ``around`` it and, when the call has exactly one tensor input (``ins``, likewise;
+    empty when the call changed an input in place), that input with its zero counts, by the event ids of their
+    statistics, so nothing is kept alive and the walk of :func:`_upstream` can pass through tensors freed since.
+    Otherwise the call is opaque to the walk: counted over several inputs, zeros made upstream would be diluted
+    by the other inputs' elements."""
+    before: int | None = None
+    counts: ZeroCounts | None = None
+    hit = ins[0][1] if len(ins) == 1 else None
+    if hit is not None and not isinstance(hit[2], torch.Tensor):
+        before, counts = hit[3], (int(hit[2][7]), ins[0][0].numel())
+    for _, h in outs:
+        if h is not None and h[3] != before:
+            reached[h[3]] = (around, before, counts)
 
 
 def _same(items: list[tuple[str, torch.Tensor]], versions: tuple[int, ...]) -> bool:

@@ -1702,3 +1702,61 @@ def test_modules_filter_hooks_exactly_the_expected_modules(modules: Any, expecte
     assert set(select(tr.records, phase="optimizer")["module"]) == expected & owners
     for mod in m.modules():
         assert not mod._forward_hooks and not mod._forward_pre_hooks
+
+
+def test_optimizer_rows_computed_together_are_the_rows_computed_one_by_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The optimizer's post-step hook reduces the small parameters together (``nantrace._hooks.prime``,
+    ``stats_host_many``): the ``records`` are identical, column for column (statistics, seq, event ids), to
+    those of the same run with every parameter's statistics computed by ``add`` alone, and the batch path ran
+    once a step for the stepped parameters (a frozen one, without a ``.grad``, is neither primed nor recorded).
+    One bias holds a 0 after each step (its row falls back to its own statistics), the other parameters are
+    answered by the segmented reductions."""
+    import nantrace._stats as stats_mod
+
+    def run(prime: bool) -> tuple[pd.DataFrame, list[int]]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3), nn.Linear(3, 3))
+        m[3].weight.requires_grad_(False)  # frozen: no .grad, not stepped
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        x, y = torch.randn(4, 6), torch.randn(4, 3)
+        sizes: list[int] = []
+        real = stats_mod.stats_host_many
+
+        def counted(ts: Any) -> Any:
+            sizes.append(len(ts))
+            return real(ts)
+
+        monkeypatch.setattr("nantrace._hooks.stats_host_many", counted)
+        if not prime:
+            monkeypatch.setattr("nantrace._scaler.prime", lambda rec, ts: None)
+        with nantrace.trace(m, optimizer=opt) as tr:
+            for _ in range(3):
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(m(x), y)
+                loss.backward()
+                with torch.no_grad():  # a zero the step keeps in a primed tensor: its statistics are its own
+                    m[0].bias[1] = 0.0
+                    m[0].bias.grad[1] = 0.0
+                tr.step(loss=loss)
+                opt.step()
+        monkeypatch.undo()
+        return tr.records, sizes
+
+    together, calls = run(prime=True)
+    alone, none = run(prime=False)
+    assert calls == [5, 5, 5] and none == []  # 6 parameters, one frozen
+    pd.testing.assert_frame_equal(together, alone)
+    opt_rows = together[together["phase"] == "optimizer"]
+    pairs = set(zip(opt_rows["module"].astype(str), opt_rows["tensor"].astype(str), strict=True))
+    assert len(opt_rows) == 15 and pairs == {
+        ("0", "weight"),
+        ("0", "bias"),
+        ("2", "weight"),
+        ("2", "bias"),
+        ("3", "bias"),
+    }
+    zeroed = opt_rows[(opt_rows["module"] == "0") & (opt_rows["tensor"] == "bias")]
+    assert zeroed["n_zero"].tolist() == [1, 1, 1]
+    assert (opt_rows["n_zero"].sum(), len(set(opt_rows["event"]))) == (3, 15)

@@ -183,3 +183,49 @@ def test_no_reference_to_the_tensor_is_kept() -> None:
             stats_host(t.t() if t.dim() == 2 else t.view(1, -1).expand(2, -1))
             del t
             assert ref() is None, (case, n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_small_tensors_reduced_together_give_the_hand_computed_statistics(dtype: torch.dtype) -> None:
+    """``stats_host_many`` (the optimizer's parameters, reduced together): every case at 64 elements in every
+    layout, a tensor just over ``BATCH_ELEMENTS`` (reduced on its own) and a float8 one between them, in one
+    call: each gets its case's statistics, in the order given. Cases without a zero, inf or NaN are answered by
+    the segmented reductions; the others fall back to ``stats_host`` (same numbers)."""
+    items = []
+    for case in CASES:
+        t, expected = _build(64, dtype, case)
+        items += _layouts(t, expected)
+    big, big_expected = _build(_stats.BATCH_ELEMENTS + 1, dtype, "both signs, no zero")
+    items.insert(3, ("over the batch size", big, big_expected))
+    items.insert(
+        5,
+        ("float8", torch.tensor([0.5, -2.0, 4.0]).to(torch.float8_e4m3fn), (-2.0, 4.0, 4.0, 0.5, 0, 0, 0, 0)),
+    )
+    got = _stats.stats_host_many([v for _, v, _ in items])
+    assert len(got) == len(items)
+    for (layout, v, exp), g in zip(items, got, strict=True):
+        assert _same(g, exp), (layout, v.dtype, g, exp)
+
+
+def test_reduced_together_keeps_the_sign_of_zero_and_every_dtype_apart() -> None:
+    """Tensors of several dtypes in one call are grouped by dtype; a segment's answer is read from its own
+    extremes only: a tensor of one positive subnormal between tensors of large values keeps it as min and
+    absmin, and a ``-0.0`` alone gives ``min = max = -0.0`` (the sign kept, as ``stats_host`` keeps it)."""
+    tiny = torch.finfo(torch.float32).tiny / 8
+    ts = [
+        torch.tensor([3.0, -7.0]),
+        torch.tensor([tiny]),
+        torch.tensor([1.0, 2.0], dtype=torch.float16),
+        torch.tensor([-0.0]),
+        torch.tensor([-5.0, -0.5], dtype=torch.float16),
+        torch.tensor([6e4, 1e-3], dtype=torch.float64),
+    ]
+    got = _stats.stats_host_many(ts)
+    assert got[0] == (-7.0, 3.0, 7.0, 3.0, 0.0, 0.0, 0.0, 0.0)
+    assert got[1] == (tiny, tiny, tiny, tiny, 0.0, 0.0, 0.0, 0.0)
+    assert got[2] == (1.0, 2.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0)
+    assert got[3][:2] == (-0.0, -0.0) and math.copysign(1.0, got[3][0]) == -1.0 and got[3][7] == 1.0
+    assert math.isnan(got[3][3])
+    assert got[4] == (-5.0, -0.5, 5.0, 0.5, 0.0, 0.0, 0.0, 0.0)
+    assert got[5] == (1e-3, 6e4, 6e4, 1e-3, 0.0, 0.0, 0.0, 0.0)
+    assert got == [stats_host(t) for t in ts]
