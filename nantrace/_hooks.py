@@ -37,14 +37,7 @@ from ._drill import (
 )
 from ._naming import positional_names
 from ._schema import PHASE_CODE
-from ._stats import (
-    BATCH_ELEMENTS,
-    describable,
-    is_clean_host,
-    stats_device,
-    stats_host,
-    stats_host_many,
-)
+from ._stats import describable, is_clean_host, stats_device, stats_host, stats_host_many
 from ._store import PendingStep, Store
 from ._tree import flatten_list
 
@@ -52,20 +45,16 @@ __all__ = [
     "CAST_OP",
     "FirstNonfinite",
     "Recorder",
-    "add_later",
     "at_pass_end",
     "eager",
     "graph_task",
     "in_backward",
     "kinds_of_stats",
     "prime",
-    "resolve_later",
 ]
 
 _KIND_COLS = ((4, "nan"), (5, "posinf"), (6, "neginf"))
 _CLEAN: frozenset[str] = frozenset()
-_NAN = float("nan")
-_BATCHED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # dtypes stats_host_many batches
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types whose statistics Recorder.prime may compute
 # per output tensor's statistics event (_note_reached): the open calls around its maker, the event of the maker's
 # one tensor input and that input's zero counts (None, None: a maker the walk cannot see through)
@@ -164,8 +153,6 @@ class Recorder:
         self.has_rows = False
         self.last_kinds: frozenset[str] | None = frozenset()
         self.dropped_records = 0  # records dropped because a statistic ran out of memory
-        self.later: list[tuple[int, weakref.ref[torch.Tensor]]] = []  # add_later: (row's slot, gradient)
-        self.later_task = -1  # the backward pass whose end resolves them (graph_task)
         self._dtype_codes: dict[torch.dtype, int] = {}
         self._shape_codes: dict[torch.Size, int] = {}
         self._on_grads = eager(self._record_grads)
@@ -210,12 +197,10 @@ class Recorder:
         arg: str | None = None,
         micro: int | None = None,
         reduced: bool = False,
-        later: bool = False,
     ) -> None:
         """Append one row for tensor ``t`` (nothing for tensors that are not :func:`describable`).
 
-        ``reduced`` marks a parameter gradient after the cross-rank reduction. ``later``: the row's statistics
-        are filled in when the backward pass ends (:func:`add_later`). A ``DTensor`` (FSDP2, tensor
+        ``reduced`` marks a parameter gradient after the cross-rank reduction. A ``DTensor`` (FSDP2, tensor
         parallel) is described by this rank's local shard, so no statistic needs a collective. The hot path of
         every hook: the checks of :func:`describable` and the cache of :meth:`stat` are written out here."""
         if type(t) is not torch.Tensor and hasattr(t, "to_local") and hasattr(t, "placements"):
@@ -229,10 +214,7 @@ class Recorder:
             key = id(t)
             ver = -1 if t.is_inference() else t._version
             hit = self.cache.get(key)
-            if later:
-                self.event += 1
-                stats, event = _PENDING, self.event
-            elif hit is not None and ver >= 0 and hit[1] == ver and hit[0]() is t:
+            if hit is not None and ver >= 0 and hit[1] == ver and hit[0]() is t:
                 stats, event = hit[2], hit[3]
             else:
                 stats, event = self._computed(t, key, ver)
@@ -302,8 +284,6 @@ class Recorder:
 
     def end_step(self, mask_rule: Any) -> None:
         """Close the open step: one host copy, a ``steps`` row, and drop this step's tensor hooks."""
-        if self.later:  # a backward pass that did not end (it raised)
-            resolve_later(self)
         for h in self.tensor_handles:
             h.remove()
         self.tensor_handles.clear()
@@ -543,75 +523,6 @@ def prime(rec: Recorder, tensors: list[torch.Tensor]) -> None:
     for t, got in zip(todo, stats, strict=True):
         rec.event += 1
         rec.cache[id(t)] = (weakref.ref(t), t._version, got, rec.event)
-
-
-#: The statistics slot of a row :func:`add_later` appended, until :func:`resolve_later` fills it in; what stays
-#: when its gradient could not be read (freed before the pass ended, or out of memory): no range, no count.
-_PENDING = (_NAN, _NAN, _NAN, _NAN, 0.0, 0.0, 0.0, 0.0)
-
-
-def add_later(
-    rec: Recorder, p: torch.Tensor, hook: Any, row: tuple[str, int, int, str], g: torch.Tensor
-) -> bool:
-    """From parameter ``p``'s post-accumulate-grad hook ``hook``: append the row of its gradient ``g`` now (its
-    place among the step's rows and its event id, as :meth:`Recorder.add` gives them) and compute its
-    statistics when the backward pass ends, together with the pass's other small gradients
-    (:func:`resolve_later`, :func:`~nantrace._stats.stats_host_many`: one pass over them instead of a few
-    numpy calls each). ``row`` = ``(phase, module code, module type code, path)``.
-
-    Only for a small plain CPU gradient of a full step's host path, when ``hook`` is the last of ``p``'s
-    post-accumulate-grad hooks (a hook after it may change the gradient in place, or free it, before the pass
-    ends) and the pass end can be reached; else nothing is appended and False returned (the caller records it
-    at once)."""
-    if (
-        rec.light
-        or rec.sync_free
-        or type(g) is not torch.Tensor
-        or not g.is_cpu
-        or g.dtype not in _BATCHED
-        or g.numel() > BATCH_ELEMENTS
-        or g.layout != torch.strided
-        or g.is_inference()
-    ):
-        return False
-    hooks = getattr(p, "_post_accumulate_grad_hooks", None)
-    if not hooks or next(reversed(hooks.values())) is not hook:
-        return False
-    task = graph_task()
-    if rec.later_task != task:
-        if not at_pass_end(functools.partial(resolve_later, rec)):
-            return False
-        rec.later_task = task
-    phase, mcode, tcode, path = row
-    slot = len(rec.store.pending_stats)
-    rec.add(phase, mcode, tcode, 0, path, g, is_grad=True, parent=-1, later=True)
-    if len(rec.store.pending_stats) > slot:
-        rec.later.append((slot, weakref.ref(g)))
-    return True
-
-
-def resolve_later(rec: Recorder) -> None:
-    """Fill in the statistics of the rows :func:`add_later` appended, from their gradients as the backward
-    pass left them. Runs in autograd's engine at the pass end (or at the step's end after a pass that raised),
-    so it never raises: a gradient that could not be read keeps ``_PENDING``'s NaN range and zero counts."""
-    later, rec.later, rec.later_task = rec.later, [], -1
-    alive = [(slot, ref()) for slot, ref in later]
-    tensors = [t for _, t in alive if t is not None]
-    try:
-        got = iter(stats_host_many(tensors))
-    except Exception:  # out of memory: each on its own
-        got = iter([_own_stats(t) for t in tensors])
-    pending = rec.store.pending_stats
-    for slot, t in alive:
-        if t is not None:
-            pending[slot] = next(got)
-
-
-def _own_stats(t: torch.Tensor) -> tuple[float, ...]:
-    try:
-        return stats_host(t)
-    except Exception:
-        return _PENDING
 
 
 def _watch_grads(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._hooks import add_later, at_pass_end, eager, graph_task, prime
+from ._hooks import at_pass_end, eager, graph_task, prime
 
 if TYPE_CHECKING:
     from ._recording import Recording
@@ -56,8 +56,7 @@ def _grad_norm(g: torch.Tensor) -> torch.Tensor:
 def param_hook(
     r: Recording, mcode: int, tcode: int, pname: str, index: int
 ) -> Callable[[torch.Tensor], None]:
-    """The post-accumulate-grad hook of parameter ``index``: its gradient's row (a small one's statistics at
-    the pass end, :func:`~nantrace._hooks.add_later`) and L2 norm."""
+    """The post-accumulate-grad hook of parameter ``index``: its gradient's row and L2 norm."""
     rec = r.rec
     path = pname + ".grad"
     sharded = index in r.sharded_params
@@ -68,18 +67,14 @@ def param_hook(
             return
         if sharded:  # FSDP2: the reduce-scattered gradient; this rank's shard
             g = g.to_local()  # type: ignore[attr-defined]
-            rec.add("backward", mcode, tcode, 0, path, g, is_grad=True, parent=-1, reduced=True)
-        elif r.world_size > 1 or not add_later(rec, p, wrapped, row, g):  # (DDP writes .grad at the pass end)
-            rec.add("backward", mcode, tcode, 0, path, g, is_grad=True, parent=-1)
+        rec.add("backward", mcode, tcode, 0, path, g, is_grad=True, parent=-1, reduced=sharded)
         if not sharded and not g.is_inference():  # (a shard is a new tensor each time: never reused)
             rec.pending.grad_versions[index] = (weakref.ref(g), g._version)
             if _norms_at_pass_end(rec.pending):
                 return
         rec.pending.grad_norms[index] = _grad_norm(g)
 
-    row = ("backward", mcode, tcode, path)
-    wrapped = eager(hook)
-    return wrapped
+    return eager(hook)
 
 
 def _norms_at_pass_end(pending: Any) -> bool:
