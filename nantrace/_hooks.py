@@ -37,7 +37,7 @@ from ._drill import (
 )
 from ._naming import positional_names
 from ._schema import PHASE_CODE
-from ._stats import describable, is_clean_host, stats_device, stats_host, stats_host_many
+from ._stats import describable, is_clean_host, stats_device, stats_host
 from ._store import PendingStep, Store
 from ._tree import flatten_list
 
@@ -50,12 +50,10 @@ __all__ = [
     "graph_task",
     "in_backward",
     "kinds_of_stats",
-    "prime",
 ]
 
 _KIND_COLS = ((4, "nan"), (5, "posinf"), (6, "neginf"))
 _CLEAN: frozenset[str] = frozenset()
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types whose statistics Recorder.prime may compute
 # per output tensor's statistics event (_note_reached): the open calls around its maker, the event of the maker's
 # one tensor input and that input's zero counts (None, None: a maker the walk cannot see through)
 Reached = tuple[tuple[tuple[int, int], ...], int | None, ZeroCounts | None]
@@ -490,39 +488,6 @@ class Recorder:
             _watch_grads(self, phase, mcode, tcode, call, items, "grad_output", parent)
 
         return _own(eager(pre)), _own(eager(post))
-
-
-def prime(rec: Recorder, tensors: list[torch.Tensor]) -> None:
-    """Compute the statistics of many CPU tensors that are about to be recorded one by one, in that order,
-    together (:func:`~nantrace._stats.stats_host_many`: the small ones of a dtype in one pass), and cache them
-    in ``rec`` as :meth:`Recorder.add` would have: the same numbers and, for the same order of ``add`` calls,
-    the same event ids. Only on a full step's host path; a tensor ``add`` would not compute (cached, an
-    inference tensor, not describable, a shard) is left to it, and nothing is cached when a statistic runs out
-    of memory."""
-    if rec.sync_free or rec.light:
-        return
-    todo: list[torch.Tensor] = []
-    seen: set[int] = set()
-    for t in tensors:
-        if (
-            type(t) in _PLAIN
-            and t.is_cpu
-            and describable(t)
-            and not t.is_inference()
-            and id(t) not in seen
-            and rec.cache.get(id(t)) is None
-        ):
-            seen.add(id(t))
-            todo.append(t)
-    if len(todo) < 2:
-        return
-    try:
-        stats = stats_host_many(todo)
-    except (torch.OutOfMemoryError, MemoryError):
-        return
-    for t, got in zip(todo, stats, strict=True):
-        rec.event += 1
-        rec.cache[id(t)] = (weakref.ref(t), t._version, got, rec.event)
 
 
 def _watch_grads(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._hooks import at_pass_end, eager, graph_task, prime
+from ._hooks import at_pass_end, eager, graph_task
 
 if TYPE_CHECKING:
     from ._recording import Recording
@@ -227,12 +227,11 @@ def attach_optimizer(r: Recording, optimizer: torch.optim.Optimizer) -> None:
         if not rec.active or nested_step():
             return
         if "optimizer" in rec.phases:
-            # a parameter without a gradient is one optimizer.step() did not update (torch's optimizers skip
-            # it): a frozen weight, a mask kept as a parameter, a weight unused this step
-            stepped = [(p, mcode, tcode, pname) for p, mcode, tcode, pname in r.params if p.grad is not None]
-            prime(rec, [p for p, _, _, _ in stepped])  # the small ones' statistics in one pass
-            for p, mcode, tcode, pname in stepped:
-                rec.add("optimizer", mcode, tcode, 0, pname, p, is_grad=False, parent=-1)
+            for p, mcode, tcode, pname in r.params:
+                # a parameter without a gradient is one optimizer.step() did not update (torch's optimizers skip
+                # it): a frozen weight, a mask kept as a parameter, a weight unused this step
+                if p.grad is not None:
+                    rec.add("optimizer", mcode, tcode, 0, pname, p, is_grad=False, parent=-1)
         if opt.param_groups:
             rec.pending.lr = current_lr(opt)
         if r.scaler is None and not r.manual_steps:

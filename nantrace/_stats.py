@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -51,7 +51,6 @@ __all__ = [
     "scalar_kinds",
     "stats_device",
     "stats_host",
-    "stats_host_many",
     "tensor_kinds",
 ]
 
@@ -370,73 +369,6 @@ def _zeros_and_least(x: torch.Tensor, a: np.ndarray, kind: _Kind, *, plus_only: 
         part_low = int(_np_min(s.view(kind.uint_np), axis=None))
         low = part_low if low < 0 else min(low, part_low)
     return n - nonzero, (low + 1 if nonzero else -1)
-
-
-#: :func:`stats_host_many` reduces CPU tensors of at most this many elements (of one dtype) together: below it
-#: the calls, not the elements, are most of a statistic's cost (a 128-element bias: ~10 µs a tensor, warm).
-BATCH_ELEMENTS = 1 << 12
-
-
-def stats_host_many(ts: Sequence[torch.Tensor]) -> list[tuple[float, ...]]:
-    """:func:`stats_host` of each CPU tensor of ``ts`` (the same eight numbers), with the small ones reduced
-    together: the tensors of at most :data:`BATCH_ELEMENTS` elements of one dtype are copied into one vector
-    whose bits four segmented reductions read (numpy's ``reduceat``: signed and unsigned minimum and maximum per
-    tensor, :func:`_from_extremes`); a tensor whose segment holds a zero, an inf or a NaN, and every other
-    tensor, gets :func:`stats_host` of its own.
-
-    Args:
-        ts: describable CPU tensors (:func:`describable`), any shapes and layouts.
-
-    Returns:
-        One tuple of 8 floats per tensor, in the order of ``ts``.
-    """
-    out: list[tuple[float, ...] | None] = [None] * len(ts)
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(ts):
-        if t.dtype in _KINDS and t.numel() <= BATCH_ELEMENTS and not t.is_neg():
-            groups.setdefault(t.dtype, []).append(i)
-    for dtype, idx in groups.items():
-        if len(idx) < 2:
-            continue
-        kind = _KINDS[dtype]
-        with torch.no_grad():
-            flat = torch.cat([ts[i].detach().reshape(-1) for i in idx]).view(kind.bits).numpy()
-        starts = np.zeros(len(idx), dtype=np.intp)
-        np.cumsum([ts[i].numel() for i in idx[:-1]], out=starts[1:])
-        u = flat.view(kind.uint_np)
-        ext = zip(
-            np.minimum.reduceat(flat, starts).tolist(),
-            np.maximum.reduceat(flat, starts).tolist(),
-            np.minimum.reduceat(u, starts).tolist(),
-            np.maximum.reduceat(u, starts).tolist(),
-            strict=True,
-        )
-        for i, (smin, smax, umin, umax) in zip(idx, ext, strict=True):
-            out[i] = _from_extremes(kind, smin, smax, umin, umax)
-    return [s if s is not None else stats_host(t) for s, t in zip(out, ts, strict=True)]
-
-
-def _from_extremes(kind: _Kind, smin: int, smax: int, umin: int, umax: int) -> tuple[float, ...] | None:
-    """The statistics of a tensor from the signed (``smin``, ``smax``) and unsigned (``umin``, ``umax``)
-    minimum and maximum of its bits (:func:`_bits_stats` reads them the same way), when it holds no zero, inf or
-    NaN; else None. +inf/NaN is a signed pattern at or above ``kind.inf``, -inf/-NaN an unsigned one at or
-    above the sign bit plus it; a +0.0 is the unsigned pattern 0, a -0.0 the signed minimum ``kind.sign``."""
-    top = -kind.sign  # the sign bit, read unsigned
-    if smax >= kind.inf or umax >= top + kind.inf or umin == 0 or smin == kind.sign:
-        return None
-    value = kind.value
-    if smin >= 0:  # positive values only
-        lo, hi = value(smin), value(smax)
-        return (lo, hi, hi, lo, 0.0, 0.0, 0.0, 0.0)
-    if (
-        smax < 0
-    ):  # negative values only: the signed maximum is the most negative, the minimum the nearest zero
-        lo, hi = -value(smax - kind.sign), -value(smin - kind.sign)
-        return (lo, hi, -lo, -hi, 0.0, 0.0, 0.0, 0.0)
-    # both signs: the unsigned maximum is the most negative value, the unsigned minimum the positive value
-    # nearest zero, the signed minimum the negative value nearest zero
-    lo, hi = -value(umax - top), value(smax)
-    return (lo, hi, max(-lo, hi), value(min(umin, smin - kind.sign)), 0.0, 0.0, 0.0, 0.0)
 
 
 def is_clean_host(t: torch.Tensor) -> bool:
