@@ -9,7 +9,11 @@ AdamW. Two measurements per architecture:
   the median of the per-round wall ratios, the CPU-time ratio, records/step and µs per record
   ((traced - untraced) / records);
 * the first ``--first`` steps of a fresh trace over as many untraced steps (what a short run pays once: the
-  first calls' drill-down replays, the string tables).
+  first calls' drill-down replays, the string tables);
+* with ``--floor``, a third copy in the steady-state rounds, traced with nantrace's statistics replaced by one
+  ``torch.aminmax`` per tensor (:func:`one_pass`): what tracing would cost if the eight statistics read each
+  tensor once, the physical floor the issue names. Its rows are not nantrace's statistics (only min, max and
+  absmax are right; it sees no zeros, so no drill-down replay starts): a measurement, nothing else.
 
 Prints the per-model table and the medians over the architectures.
 
@@ -36,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import Workload, machine_line
 
 import nantrace
+import nantrace._hooks as _hooks
 
 
 def _hf(name: str) -> Workload:
@@ -160,25 +165,57 @@ def _timed(step: Callable[[], None], n: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
 
-def steady(name: str, rounds: int, steps: int) -> dict[str, float]:
+def one_pass(t: torch.Tensor) -> tuple[float, ...]:
+    """The ``--floor`` copy's statistic: one ``torch.aminmax`` read of ``t``; min, max and absmax, the other
+    five are placeholders (not nantrace's statistics: for measuring only)."""
+    lo, hi = torch.aminmax(t.detach())
+    a, b = float(lo), float(hi)
+    return (a, b, max(-a, b), 1.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def _floor_step(w: Workload) -> Callable[[], None]:
+    """``w.step`` with nantrace's statistics replaced by :func:`one_pass` while it runs."""
+
+    def step() -> None:
+        real = _hooks.stats_host
+        _hooks.stats_host = one_pass
+        try:
+            w.step()
+        finally:
+            _hooks.stats_host = real
+
+    return step
+
+
+def steady(name: str, rounds: int, steps: int, floor: bool = False) -> dict[str, float]:
     """One untraced copy and one traced copy of the architecture (same seed), the trace entered once for the
     whole run as in training; a warm-up round, then ``rounds`` rounds of ``steps`` steps per copy, the order
-    alternating. The per-round ratios' median in wall and CPU time, records/step and µs/record."""
+    alternating. The per-round ratios' median in wall and CPU time, records/step and µs/record. ``floor``: a
+    third traced copy with one-pass statistics (:func:`one_pass`) in the same rounds, its median ratio as
+    ``"floor"``."""
     plain, traced = _build(name), _build(name)
-    ratios, cpu_ratios, base_ms, tr_ms = [], [], [], []
-    with warnings.catch_warnings():
+    low = _build(name) if floor else None
+    ratios, cpu_ratios, base_ms, tr_ms, floors = [], [], [], [], []
+    with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.simplefilter("ignore")
-        with nantrace.trace(traced.model, optimizer=traced.optimizer) as tr:
-            _timed(plain.step, steps)
-            _timed(traced.step, steps)
-            for r in range(rounds):
-                order = [plain, traced] if r % 2 == 0 else [traced, plain]
-                got = {id(w): _timed(w.step, steps) for w in order}
-                (bw, bc), (tw, tc) = got[id(plain)], got[id(traced)]
-                ratios.append(tw / bw)
-                cpu_ratios.append(tc / bc)
-                base_ms.append(bw * 1e3)
-                tr_ms.append(tw * 1e3)
+        tr = stack.enter_context(nantrace.trace(traced.model, optimizer=traced.optimizer))
+        steps_of = {id(plain): plain.step, id(traced): traced.step}
+        if low is not None:
+            stack.enter_context(nantrace.trace(low.model, optimizer=low.optimizer))
+            steps_of[id(low)] = _floor_step(low)
+        copies = [plain, traced] + ([low] if low is not None else [])
+        for w in copies:
+            _timed(steps_of[id(w)], steps)
+        for r in range(rounds):
+            order = copies[r % len(copies) :] + copies[: r % len(copies)]
+            got = {id(w): _timed(steps_of[id(w)], steps) for w in order}
+            (bw, bc), (tw, tc) = got[id(plain)], got[id(traced)]
+            ratios.append(tw / bw)
+            cpu_ratios.append(tc / bc)
+            base_ms.append(bw * 1e3)
+            tr_ms.append(tw * 1e3)
+            if low is not None:
+                floors.append(got[id(low)][0] / bw)
     recs = float(tr.steps["n_records"].iloc[-1])
     extra = statistics.median(tr_ms) - statistics.median(base_ms)
     return {
@@ -188,6 +225,7 @@ def steady(name: str, rounds: int, steps: int) -> dict[str, float]:
         "cpu": statistics.median(cpu_ratios),
         "records": recs,
         "us": extra * 1e3 / recs if recs else math.nan,
+        "floor": statistics.median(floors) if floors else math.nan,
     }
 
 
@@ -216,23 +254,29 @@ def main() -> None:
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--models", default="gpt2,bert,roberta,resnet18,convnext")
+    p.add_argument(
+        "--floor", action="store_true", help="also a copy traced with one-pass statistics (the floor)"
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(machine_line())
     print(
         "| model | untraced ms/step | traced ms/step | ratio | CPU-time ratio | records/step | µs/record "
-        f"| first {args.first} steps of a fresh trace |"
+        f"| first {args.first} steps of a fresh trace |" + (" one-pass floor |" if args.floor else "")
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    ratios, firsts = [], []
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if args.floor else ""))
+    ratios, firsts, floors = [], [], []
     for name in args.models.split(","):
-        got = steady(name, args.rounds, args.steps)
+        got = steady(name, args.rounds, args.steps, floor=args.floor)
+        floors.append(got["floor"])
         first = first_steps(name, max(3, args.rounds // 2), args.first) if args.first > 0 else math.nan
         ratios.append(got["ratio"])
         firsts.append(first)
         print(
             f"| {_build(name).title} | {got['base']:.1f} | {got['traced']:.1f} | {got['ratio']:.2f}× "
-            f"| {got['cpu']:.2f}× | {got['records']:.0f} | {got['us']:.0f} | {first:.2f}× |",
+            f"| {got['cpu']:.2f}× | {got['records']:.0f} | {got['us']:.0f} | "
+            + (f"{first:.2f}× |" if args.first > 0 else "– |")
+            + (f" {got['floor']:.2f}× |" if args.floor else ""),
             flush=True,
         )
     print(
