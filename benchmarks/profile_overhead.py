@@ -288,8 +288,9 @@ def section_breakdown(w: overhead.Workload, rounds: int, steps: int, records: in
     ]
     print(
         f"\nCPU-time breakdown of the traced step (timed run: {timed_total:.1f} ms/step over the untraced "
-        f"{base:.1f} ms; the uninstrumented overhead is {total:.1f} ms = {total * 1e3 / max(records, 1):.0f} "
-        f"µs/record for {records} records/step)\n"
+        f"{base:.1f} ms; the uninstrumented overhead is {total:.1f} ms"
+        + (f" = {total * 1e3 / records:.0f} µs/record for {records} records/step" if records else "")
+        + ")\n"
     )
     print("| part | ms/step | share | calls/step | µs/call |")
     print("| --- | ---: | ---: | ---: | ---: |")
@@ -301,8 +302,9 @@ def section_breakdown(w: overhead.Workload, rounds: int, steps: int, records: in
     add_only = med("nantrace, stats stubbed", 1) - med("nantrace, Recorder.add a no-op (hooks only)", 1)
     print(
         f"\nwithout timers (CPU ms/step): statistics {stub_saving:.1f} (full − stats stubbed), per-record "
-        f"bookkeeping {add_only:.1f} (stats stubbed − add no-op; {add_only * 1e3 / max(records, 1):.1f} µs/record), "
-        f"hooks without recording {hooks_only:.1f} (add no-op − none: hook dispatch, flatten, tensor-hook "
+        f"bookkeeping {add_only:.1f} (stats stubbed − add no-op"
+        + (f"; {add_only * 1e3 / records:.1f} µs/record), " if records else "), ")
+        + f"hooks without recording {hooks_only:.1f} (add no-op − none: hook dispatch, flatten, tensor-hook "
         "registration, grad norms, flush)"
     )
     print("inclusive hook times (ms/step CPU): " + ", ".join(f"{k} {p[k]:.2f}" for k in _TOP if k in p))
