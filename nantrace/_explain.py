@@ -660,7 +660,7 @@ def hunt_hint(view: RunView, ev: Event) -> str:
 
     So only a built-in ``torch.nn`` leaf layer (``Linear``, ``Conv2d``, ``Embedding``...) whose output held the
     kind its op made is reported without the hint: the layer is the answer. Nor does a forward event whose op
-    and source line the replay named (not *internal*) get it: hunt would name the same op and line.
+    and source line the replay named get it, *internal* or not: hunt would name the same op and line.
     """
     f = ev.fields
     phase, module = f["phase"], str(f["module"])
@@ -671,7 +671,7 @@ def hunt_hint(view: RunView, ev: Event) -> str:
     n_sub = sum(1 for n in names if n != module and n.startswith(prefix))
     internal = phase == "forward" and ev.op is not None and int(ev.row[f"n_{ev.raw_kind}"]) == 0
     internal = internal and ev.op != CAST_OP  # autocast's cast of a weight: the layer is the answer
-    if phase == "forward" and ev.op is not None and ev.source and not internal:
+    if phase == "forward" and ev.op is not None and ev.source:
         return ""  # the replay already named the op and its source line: hunt would name the same
     mtype = str(f["module_type"])
     known = view.meta.builtin_modules  # recorded while the model lived, saved with the trace

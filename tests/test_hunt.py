@@ -26,7 +26,7 @@ from _models_hunt import (
     line_of,
     t5_model,
 )
-from test_cases import T5FF, AttnModel, RMSNorm
+from test_cases import T5FF, AttnModel, HandAttention, RMSNorm
 from torch import nn
 from torch.nn.modules import module as nn_module
 
@@ -370,9 +370,19 @@ def test_locator_suggests_hunt_for_hand_written_containers_and_internal_overflow
     a = a.half()
     with nantrace.trace(a) as tr:
         a(torch.full((1, 4, 64), 40.0, dtype=torch.float16))
-    msg = str(tr.first_overflow())  # the matmul's inf left `attn` as NaN: internal
-    assert "the +inf was made inside `attn` by `matmul` and never reached its output" in msg
-    assert 'capture="attn"' in msg
+    msg = str(tr.first_overflow())  # the matmul's inf left `attn` as NaN: internal, its op and line named
+    line = (
+        inspect.getsourcelines(HandAttention.forward)[1] + 1
+    )  # scores = self.q(x) @ self.k(x).transpose(...)
+    assert (
+        f"produced +inf in `matmul` at {inspect.getsourcefile(HandAttention)}:{line} inside its forward"
+        in msg
+    )
+    assert "nantrace.hunt" not in msg and "To name the exact op" not in msg  # nothing left for hunt to name
+    with nantrace.trace(a, drill=False) as tr:  # without the replay nothing names it: hunt is the way
+        a(torch.full((1, 4, 64), 40.0, dtype=torch.float16))
+    msg = str(tr.first_overflow())
+    assert "nantrace.hunt(step_fn)" in msg and 'capture="attn"' in msg
 
     g = GateNet().half()
     with nantrace.trace(g) as tr:
