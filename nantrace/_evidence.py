@@ -229,6 +229,8 @@ class OpEvidence:
         what: a short name of the arithmetic (``"rsqrt of 0"``, ``"0·inf"``, ``"inf − inf"``), or ``""``.
         hook: the user's forward (pre-)hook the op ran inside, as words (``forward hook `scale` on `0```), or
             None (it ran in a ``forward``).
+        unreplayed: why the trace replayed no forward call (``trace(drill=False)``, statistics on the sync-free
+            path), so no op could be named, and how to name it; ``""`` when it could replay.
     """
 
     op: str | None
@@ -241,6 +243,7 @@ class OpEvidence:
     because: str = ""
     what: str = ""
     hook: str | None = None
+    unreplayed: str = ""
 
     @property
     def outside_domain(self) -> bool:
@@ -1293,7 +1296,23 @@ def op_evidence(view: RunView, ov: Overflow) -> OpEvidence | None:
         return OpEvidence(str(row["op"]), kind, cls, dtype, ops, recorded, vanished, because, what, hook)
     kind = _event_kind(view, ov)
     cls, because, what = _classify_call(view, ov, kind, beyond)
-    return OpEvidence(None, kind, cls, dtype, (), False, (), because, what)
+    return OpEvidence(None, kind, cls, dtype, (), False, (), because, what, unreplayed=_unreplayed(view))
+
+
+def _unreplayed(view: RunView) -> str:
+    """Why the trace replayed no forward call, from its options, and how to name the op (``""`` when it could
+    replay): without a replay no op is named, whatever made the value."""
+    options = view.meta.options
+    if options.get("drill") is False:
+        return (
+            "the trace ran with drill=False; trace again with the default drill=True, whose replay names it"
+        )
+    if options.get("device_stats") or options.get("sync_free"):
+        return (
+            "statistics were computed on the sync-free path, where no forward call is replayed; "
+            "nantrace.hunt(step_fn) on this step names it"
+        )
+    return ""
 
 
 _VERBS = {
@@ -1500,6 +1519,12 @@ def class_advice(ev: OpEvidence, module: str, *, scaled: bool = False) -> list[s
             out.append(
                 f"In {name}: `{ev.op}` gave NaN from the finite operands above: keep them inside its domain (clamp "
                 "them first), or compute it in float32 if an intermediate overflowed."
+            )
+        elif ev.unreplayed:
+            out.append(
+                f"Find the invalid op in {name}'s forward or its forward hooks (0/0, 0·inf, inf − inf, sqrt/log of a "
+                "negative, or a NaN written as a constant): add eps to denominators and clamp arguments of sqrt/log. "
+                f"No op is named because {ev.unreplayed}."
             )
         else:
             out.append(

@@ -611,3 +611,47 @@ def test_an_op_making_inf_and_nan_at_once_is_reported_as_inf_on_the_root_model()
     assert c is not None
     assert (c.op, c.module, c.kind, c.value) == ("aten::div.Tensor", "", "inf", "posinf")
     assert str(c).startswith("aten::div.Tensor in the root model (_DivByZero), forward, at test_hunt.py:")
+
+
+class _ExpTimesZero(nn.Module):
+    """``exp(x) · (x − x)``: inf · 0 = NaN from finite inputs past 88.7 (float32's exp limit)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x) * (x - x)
+
+
+class _NanWritten(nn.Module):
+    """A NaN written as a constant: no op computes it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x * 2
+        out[0, 0] = float("nan")
+        return out
+
+
+def test_a_forward_nan_with_no_op_named_says_why_from_the_trace_options() -> None:
+    """Without the replay (``drill=False``) the advice says that is why no op is named and how to name it; it
+    no longer sends the user looking for a NaN written as a constant. With the replay, a NaN written as a constant
+    names no op and the advice says to look for one; the replay names `exp` for the same module that drill=False
+    could not see into."""
+
+    def nan_of(module: nn.Module, drill: bool) -> str:
+        m = nn.Sequential(nn.Linear(3, 3), module)
+        with torch.no_grad():
+            m[0].weight.copy_(torch.eye(3) * 100)
+            m[0].bias.zero_()
+        with nantrace.trace(m, drill=drill) as tr, torch.no_grad():
+            m(torch.ones(2, 3))
+        return str(tr.diagnose())
+
+    blind = nan_of(_ExpTimesZero(), drill=False)
+    assert (
+        "No op is named because the trace ran with drill=False; trace again with the default drill=True, whose "
+        "replay names it." in blind
+    )
+    assert "look for one of those if no op is named" not in blind
+    assert "the forward replay names the op: `exp`" in nan_of(_ExpTimesZero(), drill=True)
+    written = nan_of(_NanWritten(), drill=True)
+    assert (
+        "it names none for a NaN written as a constant" in written and "No op is named because" not in written
+    )
