@@ -16,13 +16,13 @@ from ._diagnosis import (
     Diagnosis,
 )
 from ._evidence import (
-    KEPT_DERIVATIVE,
     KEPT_DERIVATIVE_FIX,
     WEIGHTS_HELD,
     OpEvidence,
     call_arity,
     class_advice,
     discarded_op,
+    kept_derivative,
     loss_advice,
     masked_outputs,
     mean_over_nothing,
@@ -662,7 +662,8 @@ def _invalid_backward(run: Facts, ev: Overflow) -> Diagnosis:
         zeros = int(fwd["n_zero"].sum()) if len(fwd) else 0
         if zeros:
             evidence.append(f"its forward output held {zeros} exact zero(s) at that step")
-        evidence.append(KEPT_DERIVATIVE[0].upper() + KEPT_DERIVATIVE[1:])
+        kept = kept_derivative(run.view)
+        evidence.append(kept[0].upper() + kept[1:])
         return Diagnosis(
             "invalid_op",
             ev,

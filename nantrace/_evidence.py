@@ -67,6 +67,7 @@ __all__ = [
     "class_advice",
     "discarded_op",
     "headline",
+    "kept_derivative",
     "loss_advice",
     "loss_bounds",
     "masked_outputs",
@@ -78,6 +79,7 @@ __all__ = [
     "outputs_words",
     "scaled_run",
     "unreachable_update",
+    "unreplayed",
     "weights_beyond_event",
     "weights_nonfinite",
     "weights_written",
@@ -360,6 +362,16 @@ KEPT_DERIVATIVE = (
     "is 1/(2·sqrt(s)), inf at s = 0, and inf·0 = NaN; x**p with 0 < p < 1 at 0; acos or asin at ±1), or an "
     "intermediate of the backward beyond its dtype's max (inf − inf)"
 )
+_REPLAYED_WHEN = "(the forward is replayed only when its recorded statistics point to one)"
+
+
+def kept_derivative(view: RunView) -> str:
+    """:data:`KEPT_DERIVATIVE` for this run: when it replayed no forward call (:func:`unreplayed`), the sentence
+    says so instead of when a forward is replayed."""
+    why = unreplayed(view)
+    return KEPT_DERIVATIVE.replace(_REPLAYED_WHEN, f"({why})") if why else KEPT_DERIVATIVE
+
+
 KEPT_DERIVATIVE_FIX = (
     "Make the argument safe *before* the op: for a discarded value, `torch.where(keep, f(torch.where(keep, x, "
     "1.0)), 0.0)`; for a kept one, `(s + eps).sqrt()` for `s.sqrt()`, `F.normalize(x, eps=1e-6)` or "
@@ -1296,23 +1308,28 @@ def op_evidence(view: RunView, ov: Overflow) -> OpEvidence | None:
         return OpEvidence(str(row["op"]), kind, cls, dtype, ops, recorded, vanished, because, what, hook)
     kind = _event_kind(view, ov)
     cls, because, what = _classify_call(view, ov, kind, beyond)
-    return OpEvidence(None, kind, cls, dtype, (), False, (), because, what, unreplayed=_unreplayed(view))
+    return OpEvidence(None, kind, cls, dtype, (), False, (), because, what, unreplayed=_unreplayed_op(view))
 
 
-def _unreplayed(view: RunView) -> str:
-    """Why the trace replayed no forward call, from its options, and how to name the op (``""`` when it could
-    replay): without a replay no op is named, whatever made the value."""
+def unreplayed(view: RunView) -> str:
+    """Why the trace replayed no forward call, from its options (``""`` when it could): without a replay no op
+    is named, whatever made the value."""
     options = view.meta.options
     if options.get("drill") is False:
-        return (
-            "the trace ran with drill=False; trace again with the default drill=True, whose replay names it"
-        )
+        return "the trace ran with drill=False, so no forward call was replayed"
     if options.get("device_stats") or options.get("sync_free"):
-        return (
-            "statistics were computed on the sync-free path, where no forward call is replayed; "
-            "nantrace.hunt(step_fn) on this step names it"
-        )
+        return "statistics were computed on the sync-free path, where no forward call is replayed"
     return ""
+
+
+def _unreplayed_op(view: RunView) -> str:
+    """:func:`unreplayed` with the way to name the op: the default drill-down, or ``nantrace.hunt``."""
+    why = unreplayed(view)
+    if not why:
+        return ""
+    if view.meta.options.get("drill") is False:
+        return f"{why}; trace again with the default drill=True, whose replay names the op"
+    return f"{why}; nantrace.hunt(step_fn) on this step names the op"
 
 
 _VERBS = {

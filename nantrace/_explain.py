@@ -17,13 +17,13 @@ import torch
 
 from ._errors import NantraceError
 from ._evidence import (
-    KEPT_DERIVATIVE,
     KEPT_DERIVATIVE_FIX,
     WEIGHTS_HELD,
     OpEvidence,
     class_advice,
     handed_in,
     headline,
+    kept_derivative,
     loss_advice,
     mean_over_nothing,
     op_evidence,
@@ -418,11 +418,11 @@ def _loss(ev: Event) -> str:
     return f"{head} {loss_advice(outs, str(f['dtype']), 'nan' if ev.raw_kind == 'nan' else 'inf')[0]}"
 
 
-def _backward_tail(ev: Event, scale: float, name: str) -> str:
+def _backward_tail(view: RunView, ev: Event, scale: float, name: str) -> str:
     if ev.raw_kind == "nan":
         scaled = " (a lower loss scale does not remove it)" if scale != 1.0 and not math.isnan(scale) else ""
         if ev.op is None:  # no forward value was discarded: a derivative at a value the forward kept
-            return f" Not an overflow{scaled}: {KEPT_DERIVATIVE}. {KEPT_DERIVATIVE_FIX}"
+            return f" Not an overflow{scaled}: {kept_derivative(view)}. {KEPT_DERIVATIVE_FIX}"
         return (
             f" Not an overflow{scaled}: an op whose derivative is not finite at "
             "the values it saw (inf for log/log1p or sqrt at 0 and x/0, NaN for sqrt/log of a negative) under a "
@@ -505,7 +505,7 @@ def _backward(view: RunView, ev: Event) -> str:
     oe = op_evidence(view, ov)
     if oe is not None and oe.op_class == "singular":  # a derivative infinite by itself (backward_bound)
         return headline(ov, oe) + "\n" + _singular_backward(view, ev, oe)
-    return headline(ov, oe) + "\n" + _backward_body(ev)
+    return headline(ov, oe) + "\n" + _backward_body(view, ev)
 
 
 def _singular_backward(view: RunView, ev: Event, oe: OpEvidence) -> str:
@@ -520,7 +520,7 @@ def _singular_backward(view: RunView, ev: Event, oe: OpEvidence) -> str:
     )
 
 
-def _backward_body(ev: Event) -> str:
+def _backward_body(view: RunView, ev: Event) -> str:
     f, step_df = ev.fields, ev.step_rows
     module, dtype, tensor = str(f["module"]), str(f["dtype"]), f["tensor"]
     name, dmax = module_label(module), dtype_max(dtype)
@@ -532,7 +532,7 @@ def _backward_body(ev: Event) -> str:
     ]
     scale = float(ev.row["scale"]) if "scale" in ev.row else 1.0
     scaled = f", loss scale {num(scale)}" if scale != 1.0 else ""
-    tail = _backward_tail(ev, scale, name)
+    tail = _backward_tail(view, ev, scale, name)
     limit = f"{dtype} overflows above {num(dmax)} (torch.finfo(torch.{dtype}).max)"
     gdtypes = [str(d) for d in gout["dtype"].astype(str).unique()]
     narrow = min(gdtypes, key=dtype_max) if gdtypes else dtype

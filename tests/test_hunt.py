@@ -646,8 +646,8 @@ def test_a_forward_nan_with_no_op_named_says_why_from_the_trace_options() -> Non
 
     blind = nan_of(_ExpTimesZero(), drill=False)
     assert (
-        "No op is named because the trace ran with drill=False; trace again with the default drill=True, whose "
-        "replay names it." in blind
+        "No op is named because the trace ran with drill=False, so no forward call was replayed; trace again "
+        "with the default drill=True, whose replay names the op." in blind
     )
     assert "look for one of those if no op is named" not in blind
     assert "the forward replay names the op: `exp`" in nan_of(_ExpTimesZero(), drill=True)
@@ -655,3 +655,32 @@ def test_a_forward_nan_with_no_op_named_says_why_from_the_trace_options() -> Non
     assert (
         "it names none for a NaN written as a constant" in written and "No op is named because" not in written
     )
+
+
+class _SqrtAtZero(nn.Module):
+    """``sqrt(x − x) + x``: finite forward; the derivative of sqrt at 0 is inf, times d(x − x) = 0 gives NaN."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x).sqrt() + x
+
+
+def test_a_backward_nan_from_a_kept_derivative_says_whether_the_forward_could_be_replayed() -> None:
+    """The backward NaN of a derivative at a value the forward kept: with the drill-down the evidence says the
+    forward is replayed only when its statistics point to a value; with ``drill=False`` it says no forward call
+    was replayed (the other wording would be false there), in the diagnosis and in the explanation."""
+
+    def texts(drill: bool) -> tuple[str, str]:
+        m = nn.Sequential(nn.Linear(3, 3), _SqrtAtZero())
+        with nantrace.trace(m, drill=drill) as tr:
+            m(torch.ones(2, 3)).sum().backward()
+        ov = tr.first_overflow()
+        assert ov is not None and (ov.phase, ov.module, ov.kind) == ("backward", "1", "nan")
+        return str(tr.diagnose()), str(ov)
+
+    on, off = texts(True), texts(False)
+    replayed = (
+        "the forward discarded (the forward is replayed only when its recorded statistics point to one)"
+    )
+    blind = "the forward discarded (the trace ran with drill=False, so no forward call was replayed)"
+    assert all(replayed in t and blind not in t for t in on)
+    assert all(blind in t and replayed not in t for t in off)
