@@ -1526,8 +1526,15 @@ def class_advice(ev: OpEvidence, module: str, *, scaled: bool = False) -> list[s
             f"them ({writers}), not this forward. Restore them from a checkpoint and fix that writer."
         )
     elif ev.op_class == "invalid":
-        held_inf = any(o.posinf or o.neginf for o in ev.operands) or ev.because == _HELD_INF
-        if held_inf:
+        infs = [o for o in ev.operands if o.posinf or o.neginf]
+        held_inf = bool(infs) or ev.because == _HELD_INF
+        if infs and all(o.is_scalar for o in infs):  # the inf is a number written in the code, made nowhere
+            out.append(
+                f"In {name}: `{ev.op}` is given an inf written in the code (a Python number), and "
+                f"{ev.what or 'arithmetic with it'} is NaN: use a large finite value (`torch.finfo(dtype).max`, "
+                "`.min` for -inf) or select with `torch.where` instead of computing with inf."
+            )
+        elif held_inf:
             out.append(
                 f"In {name}: an operand already held inf ({ev.what}); find where that inf was made and compute it "
                 "in float32, or mask/clamp before this op."

@@ -684,3 +684,43 @@ def test_a_backward_nan_from_a_kept_derivative_says_whether_the_forward_could_be
     blind = "the forward discarded (the trace ran with drill=False, so no forward call was replayed)"
     assert all(replayed in t and blind not in t for t in on)
     assert all(blind in t and replayed not in t for t in off)
+
+
+class _TimesConstant(nn.Module):
+    """``(x − x) · c`` with ``c`` a Python number: 0·inf = NaN when ``c`` is ±inf."""
+
+    def __init__(self, c: float) -> None:
+        super().__init__()
+        self.c = c
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x) * self.c
+
+
+def test_nan_from_an_inf_written_in_the_code_is_advised_as_such() -> None:
+    """A NaN from ``0 · inf`` where the inf is a Python number in the code: no inf was made anywhere to be
+    found, so the advice is to use the dtype's largest finite value, or ``torch.where``; an inf that a tensor
+    operand held keeps the advice to find where it was made. (A ``-inf`` number is a mask value by DESIGN's
+    rule: its NaN is mask arithmetic, with the advice to apply the mask with ``masked_fill``.)"""
+
+    def diagnosis(c: float, held: bool) -> str:
+        class HeldInf(nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return (x - x) * torch.full_like(x, c)
+
+        m = nn.Sequential(nn.Linear(3, 3), HeldInf() if held else _TimesConstant(c))
+        with nantrace.trace(m) as tr, torch.no_grad():
+            m(torch.ones(2, 3))
+        return str(tr.diagnose())
+
+    written = diagnosis(math.inf, held=False)
+    assert (
+        "In `1`: `mul` is given an inf written in the code (a Python number), and 0·inf is NaN: use a large finite "
+        "value (`torch.finfo(dtype).max`, `.min` for -inf) or select with `torch.where` instead of computing "
+        "with inf." in written
+    )
+    assert "find where that inf was made" not in written
+    held = diagnosis(math.inf, held=True)
+    assert "written in the code" not in held and "find where that inf was made" in held
+    mask = diagnosis(-math.inf, held=False)
+    assert "mask arithmetic" in mask and "written in the code" not in mask
