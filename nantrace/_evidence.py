@@ -52,7 +52,6 @@ from ._schema import KIND_WORDS, MASK_KIND, dtype_max
 from ._view import RunView
 
 __all__ = [
-    "KEPT_DERIVATIVE",
     "KEPT_DERIVATIVE_FIX",
     "NORMALISED_STEP_BOUND",
     "OP_CLASSES",
@@ -77,6 +76,7 @@ __all__ = [
     "op_base",
     "op_evidence",
     "outputs_words",
+    "replay_off",
     "scaled_run",
     "unreachable_update",
     "unreplayed",
@@ -353,23 +353,21 @@ def _call_ops(view: RunView, ov: Overflow, reaches: bool) -> pd.DataFrame | None
 
 #: A backward NaN of a call for which the drill-down named no forward value that the forward discarded: either
 #: such a value went unseen or a derivative at a finite value the forward kept (sqrt or a norm at 0) made it.
-#: One sentence and its fix, for the explanation and the diagnosis.
-KEPT_DERIVATIVE = (
-    "no forward op is named whose non-finite value the forward discarded (the forward is replayed only when its "
-    "recorded statistics point to one), so the NaN comes from one of these kinds: a value a `torch.where`/mask "
-    "discarded in forward (log or log1p at 0, x/0) whose derivative is still taken, or a derivative that is "
-    "infinite at a finite value the forward kept, times a zero (sqrt or a norm at 0: the derivative of sqrt(s) "
-    "is 1/(2·sqrt(s)), inf at s = 0, and inf·0 = NaN; x**p with 0 < p < 1 at 0; acos or asin at ±1), or an "
-    "intermediate of the backward beyond its dtype's max (inf − inf)"
+#: One sentence (``{when}``: when the forward is replayed) and its fix, for the explanation and the diagnosis.
+_KEPT_DERIVATIVE = (
+    "no forward op is named whose non-finite value the forward discarded ({when}), so the NaN comes from one of "
+    "these kinds: a value a `torch.where`/mask discarded in forward (log or log1p at 0, x/0) whose derivative is "
+    "still taken, or a derivative that is infinite at a finite value the forward kept, times a zero (sqrt or a "
+    "norm at 0: the derivative of sqrt(s) is 1/(2·sqrt(s)), inf at s = 0, and inf·0 = NaN; x**p with 0 < p < 1 "
+    "at 0; acos or asin at ±1), or an intermediate of the backward beyond its dtype's max (inf − inf)"
 )
-_REPLAYED_WHEN = "(the forward is replayed only when its recorded statistics point to one)"
 
 
 def kept_derivative(view: RunView) -> str:
-    """:data:`KEPT_DERIVATIVE` for this run: when it replayed no forward call (:func:`unreplayed`), the sentence
-    says so instead of when a forward is replayed."""
-    why = unreplayed(view)
-    return KEPT_DERIVATIVE.replace(_REPLAYED_WHEN, f"({why})") if why else KEPT_DERIVATIVE
+    """The sentence of a backward NaN from a kept derivative for this run: when it replayed no forward call
+    (:func:`unreplayed`) it says so, else that the forward is replayed only when its statistics point to one."""
+    when = unreplayed(view) or "the forward is replayed only when its recorded statistics point to one"
+    return _KEPT_DERIVATIVE.format(when=when)
 
 
 KEPT_DERIVATIVE_FIX = (
@@ -1311,25 +1309,40 @@ def op_evidence(view: RunView, ov: Overflow) -> OpEvidence | None:
     return OpEvidence(None, kind, cls, dtype, (), False, (), because, what, unreplayed=_unreplayed_op(view))
 
 
-def unreplayed(view: RunView) -> str:
-    """Why the trace replayed no forward call, from its options (``""`` when it could): without a replay no op
-    is named, whatever made the value."""
-    options = view.meta.options
+def replay_off(options: dict[str, Any]) -> str | None:
+    """Why a trace with these options (``Trace.options``) replayed no module call: ``"drill"``
+    (``drill=False``), ``"sync_free"`` (statistics computed on the sync-free path: no host statistics, no
+    replay), or None when it could replay."""
     if options.get("drill") is False:
-        return "the trace ran with drill=False, so no forward call was replayed"
+        return "drill"
     if options.get("device_stats") or options.get("sync_free"):
-        return "statistics were computed on the sync-free path, where no forward call is replayed"
-    return ""
+        return "sync_free"
+    return None
+
+
+def unreplayed(view: RunView) -> str:
+    """Why the trace replayed no forward call (:func:`replay_off`), as words (``""`` when it could): without a
+    replay no op is named, whatever made the value."""
+    return _UNREPLAYED.get(replay_off(view.meta.options) or "", ("", ""))[0]
 
 
 def _unreplayed_op(view: RunView) -> str:
     """:func:`unreplayed` with the way to name the op: the default drill-down, or ``nantrace.hunt``."""
-    why = unreplayed(view)
-    if not why:
-        return ""
-    if view.meta.options.get("drill") is False:
-        return f"{why}; trace again with the default drill=True, whose replay names the op"
-    return f"{why}; nantrace.hunt(step_fn) on this step names the op"
+    why, how = _UNREPLAYED.get(replay_off(view.meta.options) or "", ("", ""))
+    return f"{why}; {how}" if why else ""
+
+
+#: :func:`replay_off`'s reasons in words, each with the way to have the op named.
+_UNREPLAYED = {
+    "drill": (
+        "the trace ran with drill=False, so no forward call was replayed",
+        "trace again with the default drill=True, whose replay names the op",
+    ),
+    "sync_free": (
+        "statistics were computed on the sync-free path, where no forward call is replayed",
+        "nantrace.hunt(step_fn) on this step names the op",
+    ),
+}
 
 
 _VERBS = {

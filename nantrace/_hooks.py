@@ -715,8 +715,8 @@ def _last_hook(t: torch.Tensor) -> int | None:
 
 def _cached(cache: dict[int, Any], t: torch.Tensor) -> Any:
     """The statistics the step computed for ``t`` while unchanged (the Recorder's cache), or None."""
-    hit = cache.get(id(t))
-    return hit[2] if hit is not None and hit[0]() is t and hit[1] == _version(t) else None
+    hit = _hit(cache, t)
+    return hit[2] if hit is not None else None
 
 
 def _upstream(reached: dict[int, Reached], call: tuple[int, int], event: int | None) -> ZeroCounts | None:

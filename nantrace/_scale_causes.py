@@ -17,6 +17,7 @@ from ._diagnosis import (
     UNDERFLOW_ZERO_FRACTION,
     Diagnosis,
 )
+from ._evidence import replay_off
 from ._facts import Facts, data_growth_words, unchanged_weights_loss_words, update_ratios, without_written
 from ._fmt import module_label, num, steps_text
 from ._overflow import Overflow
@@ -503,9 +504,10 @@ def _transient_blind(run: Facts) -> str | None:
     its options: the drill-down off, statistics on the sync-free path (no host statistics, no replay), or light
     steps (``every`` > 1: only tensors holding inf/NaN get a row, so no signal is read). None when it could."""
     o = run.options
-    if o.get("drill") is False:
+    off = replay_off(o)
+    if off == "drill":
         return "drill=False: no finite module call was replayed, so a transient inf inside one is not seen"
-    if o.get("device_stats") or o.get("sync_free"):
+    if off == "sync_free":
         return (
             "statistics were computed on the sync-free path (on-device reductions): the drill-down replays no "
             "module call there, so a transient inf inside one is not seen"
